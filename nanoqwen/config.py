@@ -1,0 +1,127 @@
+"""The model configuration: every dimension the runtime and its kernels are built for."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GROUP_SIZE = 128  # INT4 weights share one fp16 scale per 128 input elements
+PAGE_SIZE = 16  # tokens per KV-cache page
+
+
+class ConfigError(ValueError):
+    """A model configuration that nanoqwen cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    group_size: int = GROUP_SIZE
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{field.name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("hidden_size", "intermediate_size", "q_dim"):
+            if getattr(self, name) % self.group_size:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)} is not a multiple of the INT4 group size "
+                    f"{self.group_size}: every projection's input must split into whole groups"
+                )
+        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
+            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict, refusing anything but Qwen2."""
+        architectures = hf.get("architectures") or []
+        if hf.get("model_type") != "qwen2" or "Qwen2ForCausalLM" not in architectures:
+            raise ConfigError(
+                "not a Qwen2 causal LM: model_type="
+                f"{hf.get('model_type')!r}, architectures={architectures!r} "
+                "(expected model_type 'qwen2' and architecture 'Qwen2ForCausalLM')"
+            )
+        if hf.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention is not supported")
+        rope_theta = hf.get("rope_theta")
+        rope_parameters = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"rope scaling {rope_type!r} is not supported")
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        return cls(
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor a .nanoqwen file of this configuration holds: name -> (dtype, shape).
+
+        INT4 projections appear as `<name>.qweight` (uint32 [out, in/8]) and `<name>.scales`
+        (float16 [out, in/group]). Tokenizer blobs are not listed here: their size is free.
+        """
+        h, i, g = self.hidden_size, self.intermediate_size, self.group_size
+        specs: dict[str, tuple[str, tuple[int, ...]]] = {
+            "model.embed_tokens.weight": ("f16", (self.vocab_size, h)),
+        }
+
+        def int4(name: str, out_features: int, in_features: int) -> None:
+            specs[f"{name}.qweight"] = ("u32", (out_features, in_features // 8))
+            specs[f"{name}.scales"] = ("f16", (out_features, in_features // g))
+
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}"
+            specs[f"{p}.input_layernorm.weight"] = ("f16", (h,))
+            specs[f"{p}.post_attention_layernorm.weight"] = ("f16", (h,))
+            for proj, out_features in (("q", self.q_dim), ("k", self.kv_dim), ("v", self.kv_dim)):
+                int4(f"{p}.self_attn.{proj}_proj", out_features, h)
+                specs[f"{p}.self_attn.{proj}_proj.bias"] = ("f16", (out_features,))
+            int4(f"{p}.self_attn.o_proj", h, self.q_dim)
+            int4(f"{p}.mlp.gate_proj", i, h)
+            int4(f"{p}.mlp.up_proj", i, h)
+            int4(f"{p}.mlp.down_proj", h, i)
+        specs["model.norm.weight"] = ("f16", (h,))
+        if not self.tie_word_embeddings:
+            specs["lm_head.weight"] = ("f16", (self.vocab_size, h))
+        return specs

@@ -1,0 +1,105 @@
+"""Convert a Hugging Face Qwen2 checkpoint into a .nanoqwen file, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .config import ConfigError, ModelConfig
+from .format import NanoqwenWriter
+from .loader import TOKENIZER_PREFIX
+from .quant import quantize_int4
+from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ROWS_PER_CHUNK = 4096  # quantize big matrices in slices so temporaries stay ~100 MB
+
+
+def resolve_source(source: str) -> Path:
+    """A local checkpoint directory, or a hub id fetched with huggingface_hub (needs a network)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists() or source.count("/") != 1:
+        raise CheckpointError(f"{source}: not a checkpoint directory (and not a hub id like 'Qwen/Qwen2.5-Coder-7B-Instruct')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    parts = [quantize_int4(weight[r : r + ROWS_PER_CHUNK], group_size) for r in range(0, weight.shape[0], ROWS_PER_CHUNK)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def convert(source: str, out: str | Path, progress: bool = True) -> dict:
+    """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
+    directory = resolve_source(source)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{directory}: no config.json")
+    try:
+        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    except (ConfigError, KeyError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+    checkpoint = SafetensorsCheckpoint(directory)
+
+    specs = config.tensor_specs()
+    entries = [(name, dtype, shape) for name, (dtype, shape) in specs.items()]
+    tokenizer_blobs = {}
+    for file_name in TOKENIZER_FILES:
+        if (directory / file_name).exists():
+            tokenizer_blobs[TOKENIZER_PREFIX + file_name] = np.frombuffer((directory / file_name).read_bytes(), np.uint8)
+    entries += [(name, "u8", blob.shape) for name, blob in tokenizer_blobs.items()]
+
+    # Check every source tensor's presence and shape before writing a byte.
+    sources = []
+    for name, (dtype, shape) in specs.items():
+        if name.endswith(".scales"):
+            continue
+        if name.endswith(".qweight"):
+            hf_name = name[: -len(".qweight")] + ".weight"
+            hf_shape = (shape[0], shape[1] * 8)
+        else:
+            hf_name, hf_shape = name, shape
+        if hf_name not in checkpoint:
+            raise CheckpointError(f"checkpoint is missing tensor {hf_name!r}")
+        if checkpoint.shape(hf_name) != hf_shape:
+            raise CheckpointError(
+                f"tensor {hf_name!r} has shape {list(checkpoint.shape(hf_name))}, "
+                f"the configuration requires {list(hf_shape)}"
+            )
+        sources.append((name, hf_name, hf_shape))
+
+    total = sum(int(np.prod(s)) for _, _, s in sources)
+    out = Path(out)
+    with NanoqwenWriter(out, config, entries) as writer:
+        with tqdm(total=total, unit="param", unit_scale=True, desc=f"convert {out.name}", disable=not progress) as bar:
+            for name, hf_name, hf_shape in sources:
+                weight = checkpoint.read(hf_name, hf_shape)
+                if name.endswith(".qweight"):
+                    qweight, scales = quantize_rows(weight, config.group_size)
+                    writer.write(name, qweight)
+                    writer.write(name[: -len(".qweight")] + ".scales", scales)
+                else:
+                    if not np.isfinite(weight).all():
+                        raise CheckpointError(f"tensor {hf_name!r} holds NaN or Inf")
+                    writer.write(name, weight.astype(np.float16))
+                del weight
+                bar.update(int(np.prod(hf_shape)))
+        for name, blob in tokenizer_blobs.items():
+            writer.write(name, blob)
+        writer.close()
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "out": str(out),
+        "bytes": out.stat().st_size,
+        "parameters": total,
+        "peak_rss_bytes": peak_kib * (1 if sys.platform == "darwin" else 1024),
+        "tokenizer": sorted(tokenizer_blobs),
+    }

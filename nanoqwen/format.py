@@ -1,0 +1,200 @@
+"""The .nanoqwen file, version 1: byte layout and a streaming writer.
+
+    offset 0     header, 256 bytes (HEADER_DTYPE)
+    offset 256   tensor table, one 128-byte record per tensor (RECORD_DTYPE)
+    data_offset  tensors, each starting on a 128-byte boundary, in table order
+
+All integers are little-endian. The header's `checksum` is the CRC-32 of the header (with
+the checksum field zeroed) followed by the table, so a flipped bit in either is caught before
+any offset is trusted. Each record carries the CRC-32 of its tensor's bytes, checked on demand.
+`book/format-spec.md` is the human-readable version of this module.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+
+MAGIC = b"NANOQWEN"
+VERSION = 1
+ALIGNMENT = 128  # one L2 cache line on Hopper: every tensor starts on a line of its own
+HEADER_BYTES = 256
+RECORD_BYTES = 128
+MAX_NAME_BYTES = 64
+MAX_NDIM = 4
+
+# dtype code -> numpy dtype. Packed INT4 weights are stored as their uint32 words.
+DTYPES = {1: np.dtype("<f2"), 2: np.dtype("<f4"), 3: np.dtype("<u4"), 4: np.dtype("u1")}
+DTYPE_NAMES = {1: "f16", 2: "f32", 3: "u32", 4: "u8"}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("header_bytes", "<u4"),
+        ("num_layers", "<u4"),
+        ("hidden_size", "<u4"),
+        ("intermediate_size", "<u4"),
+        ("num_heads", "<u4"),
+        ("num_kv_heads", "<u4"),
+        ("head_dim", "<u4"),
+        ("vocab_size", "<u4"),
+        ("max_position_embeddings", "<u4"),
+        ("group_size", "<u4"),
+        ("tie_word_embeddings", "<u4"),
+        ("rope_theta", "<f8"),
+        ("rms_norm_eps", "<f8"),
+        ("tensor_count", "<u4"),
+        ("record_bytes", "<u4"),
+        ("table_offset", "<u8"),
+        ("data_offset", "<u8"),
+        ("file_size", "<u8"),
+        ("checksum", "<u4"),
+        ("reserved", "V148"),
+    ]
+)
+assert HEADER_DTYPE.itemsize == HEADER_BYTES
+
+RECORD_DTYPE = np.dtype(
+    [
+        ("name", f"S{MAX_NAME_BYTES}"),
+        ("dtype", "<u4"),
+        ("ndim", "<u4"),
+        ("shape", "<u8", (MAX_NDIM,)),
+        ("offset", "<u8"),
+        ("nbytes", "<u8"),
+        ("crc32", "<u4"),
+        ("reserved", "V4"),
+    ]
+)
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+CONFIG_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "group_size",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+)
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def header_checksum(header: np.ndarray, table: np.ndarray) -> int:
+    """CRC-32 of the header with its checksum zeroed, then the table."""
+    blank = header.copy()
+    blank["checksum"] = 0
+    return zlib.crc32(table.tobytes(), zlib.crc32(blank.tobytes()))
+
+
+def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[np.ndarray, int, int]:
+    """Place tensors: (name, dtype name, shape) -> (table records, data_offset, file_size)."""
+    table = np.zeros(len(entries), dtype=RECORD_DTYPE)
+    data_offset = align_up(HEADER_BYTES + RECORD_BYTES * len(entries))
+    offset = data_offset
+    seen = set()
+    for record, (name, dtype_name, shape) in zip(table, entries):
+        encoded = name.encode("ascii")
+        if not encoded or len(encoded) > MAX_NAME_BYTES or name in seen:
+            raise ValueError(f"tensor name {name!r} is empty, duplicated or longer than {MAX_NAME_BYTES} bytes")
+        if not 1 <= len(shape) <= MAX_NDIM or min(shape) <= 0:
+            raise ValueError(f"tensor {name!r} has unsupported shape {shape}")
+        seen.add(name)
+        code = DTYPE_CODES[dtype_name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+        record["name"] = encoded
+        record["dtype"] = code
+        record["ndim"] = len(shape)
+        record["shape"][: len(shape)] = shape
+        record["offset"] = offset
+        record["nbytes"] = nbytes
+        offset = align_up(offset + nbytes)
+    return table, data_offset, offset
+
+
+class NanoqwenWriter:
+    """Write a .nanoqwen file tensor by tensor, atomically.
+
+    The layout is fixed up front from the list of (name, dtype, shape), so each tensor can be
+    written as soon as it is produced and then dropped: memory stays at one tensor. Bytes go to
+    `<path>.partial`; only `close()` after every tensor was written renames it to `path`, so an
+    interrupted conversion never leaves a file that looks complete.
+    """
+
+    def __init__(self, path: str | os.PathLike, config: ModelConfig, entries):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.table, self.data_offset, self.file_size = plan_layout(list(entries))
+        self.index = {rec["name"].decode(): i for i, rec in enumerate(self.table)}
+        self.written: set[str] = set()
+        self.header = np.zeros((), dtype=HEADER_DTYPE)
+        self.header["magic"] = MAGIC
+        self.header["version"] = VERSION
+        self.header["header_bytes"] = HEADER_BYTES
+        for field in CONFIG_FIELDS:
+            self.header[field] = getattr(config, field)
+        self.header["tensor_count"] = len(self.table)
+        self.header["record_bytes"] = RECORD_BYTES
+        self.header["table_offset"] = HEADER_BYTES
+        self.header["data_offset"] = self.data_offset
+        self.header["file_size"] = self.file_size
+        self.file = open(self.partial, "wb")
+        self.file.truncate(self.file_size)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        if name not in self.index:
+            raise KeyError(f"tensor {name!r} is not in this file's layout")
+        if name in self.written:
+            raise ValueError(f"tensor {name!r} was already written")
+        record = self.table[self.index[name]]
+        dtype = DTYPES[int(record["dtype"])]
+        shape = tuple(int(d) for d in record["shape"][: int(record["ndim"])])
+        if array.shape != shape:
+            raise ValueError(f"tensor {name!r}: expected shape {shape}, got {array.shape}")
+        data = np.ascontiguousarray(array, dtype=dtype).tobytes()
+        record["crc32"] = zlib.crc32(data)
+        self.file.seek(int(record["offset"]))
+        self.file.write(data)
+        self.written.add(name)
+
+    def close(self) -> Path:
+        missing = set(self.index) - self.written
+        if missing:
+            self.abort()
+            raise ValueError(f"{len(missing)} tensors were never written, e.g. {sorted(missing)[0]!r}")
+        self.header["checksum"] = header_checksum(self.header, self.table)
+        self.file.seek(0)
+        self.file.write(self.header.tobytes())
+        self.file.write(self.table.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.partial, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.partial.unlink(missing_ok=True)
+
+    def __enter__(self) -> "NanoqwenWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()

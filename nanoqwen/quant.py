@@ -1,0 +1,55 @@
+"""Symmetric group-wise INT4 quantization and the packed layout the GPU GEMV reads.
+
+Shapes follow Hugging Face: a linear weight is [out, in]; groups run along `in`.
+
+    scale  = max|w| / 7            per group of 128 inputs, stored as fp16
+    q      = round(w / scale)      in [-7, 7]
+    nibble = q + 8                 in [1, 15], four bits
+    w'     = (nibble - 8) * scale  so |w - w'| <= scale / 2
+
+Eight nibbles share a uint32 word, *interleaved*: element e of the word lives in nibble
+NIBBLE_OF_ELEMENT[e]. A GPU thread then gets elements (2i, 2i+1) as the two 16-bit halves of
+`(word >> 4i) & 0x000F000F`, already in the order of the fp16 activation pairs it multiplies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import GROUP_SIZE
+
+QMAX = 7  # symmetric range [-7, 7]: -8 is left unused so that +-max|w| map exactly
+ZERO_POINT = 8
+NIBBLE_OF_ELEMENT = (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = 4 * np.array(NIBBLE_OF_ELEMENT, dtype=np.uint32)
+
+
+def quantize_int4(weight: np.ndarray, group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float -> (qweight uint32 [out, in/8], scales float16 [out, in/group])."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"input dimension {in_features} is not a multiple of the group size {group_size}")
+    groups = weight.astype(np.float32).reshape(out_features, in_features // group_size, group_size)
+    scales = (np.abs(groups).max(axis=-1) / QMAX).astype(np.float16)
+    scale32 = scales.astype(np.float32)[..., None]
+    safe = np.where(scale32 == 0, 1.0, scale32)  # an all-zero group quantizes to q = 0
+    q = np.clip(np.rint(groups / safe), -QMAX, QMAX).astype(np.int8)
+    nibbles = (q + ZERO_POINT).astype(np.uint32).reshape(out_features, in_features // 8, 8)
+    qweight = np.bitwise_or.reduce(nibbles << _SHIFTS, axis=-1).astype(np.uint32)
+    return qweight, scales
+
+
+def unpack_int4(qweight: np.ndarray) -> np.ndarray:
+    """uint32 [out, in/8] -> signed int8 [out, in] in [-8, 7] (the stored q values)."""
+    out_features, words = qweight.shape
+    nibbles = (qweight[..., None] >> _SHIFTS) & 0xF
+    return (nibbles.astype(np.int8) - ZERO_POINT).reshape(out_features, words * 8)
+
+
+def dequantize_int4(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(uint32 [out, in/8], float16 [out, in/group]) -> float32 [out, in]."""
+    q = unpack_int4(qweight).astype(np.float32)
+    out_features, in_features = q.shape
+    group_size = in_features // scales.shape[1]
+    grouped = q.reshape(out_features, scales.shape[1], group_size) * scales.astype(np.float32)[..., None]
+    return grouped.reshape(out_features, in_features)
