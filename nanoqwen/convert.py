@@ -83,13 +83,19 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
             for name, hf_name, hf_shape in sources:
                 weight = checkpoint.read(hf_name, hf_shape)
                 if name.endswith(".qweight"):
-                    qweight, scales = quantize_rows(weight, config.group_size)
+                    try:
+                        qweight, scales = quantize_rows(weight, config.group_size)
+                    except ValueError as e:
+                        raise CheckpointError(f"tensor {hf_name!r}: {e}") from None
                     writer.write(name, qweight)
                     writer.write(name[: -len(".qweight")] + ".scales", scales)
                 else:
-                    if not np.isfinite(weight).all():
-                        raise CheckpointError(f"tensor {hf_name!r} holds NaN or Inf")
-                    writer.write(name, weight.astype(np.float16))
+                    with np.errstate(over="ignore"):
+                        half = weight.astype(np.float16)
+                    if not np.isfinite(half).all():
+                        raise CheckpointError(f"tensor {hf_name!r} holds NaN, Inf or values beyond the fp16 range")
+                    writer.write(name, half)
+                    del half
                 del weight
                 bar.update(int(np.prod(hf_shape)))
         for name, blob in tokenizer_blobs.items():

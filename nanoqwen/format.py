@@ -166,7 +166,8 @@ class NanoqwenWriter:
         shape = tuple(int(d) for d in record["shape"][: int(record["ndim"])])
         if array.shape != shape:
             raise ValueError(f"tensor {name!r}: expected shape {shape}, got {array.shape}")
-        data = np.ascontiguousarray(array, dtype=dtype).tobytes()
+        # A byte view, not .tobytes(): a copy would double the memory of the largest tensor.
+        data = memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
         record["crc32"] = zlib.crc32(data)
         self.file.seek(int(record["offset"]))
         self.file.write(data)

@@ -30,7 +30,18 @@ def quantize_int4(weight: np.ndarray, group_size: int = GROUP_SIZE) -> tuple[np.
     if in_features % group_size:
         raise ValueError(f"input dimension {in_features} is not a multiple of the group size {group_size}")
     groups = weight.astype(np.float32).reshape(out_features, in_features // group_size, group_size)
-    scales = (np.abs(groups).max(axis=-1) / QMAX).astype(np.float16)
+    amax = np.abs(groups).max(axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = (amax / QMAX).astype(np.float16)
+    if not np.isfinite(scales).all():
+        raise ValueError(
+            f"weights hold NaN, Inf or magnitudes above {QMAX} x the fp16 maximum: no fp16 scale can represent them"
+        )
+    # Among fp16 subnormals a rounded scale can be so far below max|w| / 7 that the largest
+    # element would clip (max|w| / scale >= 7.5) and break the scale/2 bound. One fp16 step up
+    # always suffices, and never touches a scale in the normal range.
+    clips = (amax > 0) & (amax >= 7.5 * scales.astype(np.float32))
+    scales = np.where(clips, np.nextafter(scales, np.float16(np.inf)), scales)
     scale32 = scales.astype(np.float32)[..., None]
     safe = np.where(scale32 == 0, 1.0, scale32)  # an all-zero group quantizes to q = 0
     q = np.clip(np.rint(groups / safe), -QMAX, QMAX).astype(np.int8)

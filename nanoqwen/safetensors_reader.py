@@ -77,5 +77,8 @@ class SafetensorsCheckpoint:
         if raw.size != count:
             raise CheckpointError(f"tensor {name!r}: {path} is truncated")
         if dtype == "BF16":  # bfloat16 is the top half of a float32
-            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            widened = raw.astype(np.uint32)
+            del raw
+            widened <<= 16  # in place: a second float32-sized temporary would double the peak
+            return widened.view(np.float32).reshape(shape)
         return raw.astype(np.float32).reshape(shape)
