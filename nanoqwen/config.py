@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 GROUP_SIZE = 128  # INT4 weights share one fp16 scale per 128 input elements
@@ -45,8 +46,10 @@ class ModelConfig:
                     f"{name}={getattr(self, name)} is not a multiple of the INT4 group size "
                     f"{self.group_size}: every projection's input must split into whole groups"
                 )
-        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
-            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        if not (0 < self.rope_theta < math.inf and 0 < self.rms_norm_eps < math.inf):
+            raise ConfigError(
+                f"rope_theta={self.rope_theta!r} and rms_norm_eps={self.rms_norm_eps!r} must be positive and finite"
+            )
 
     @property
     def q_dim(self) -> int:

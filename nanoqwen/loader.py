@@ -211,6 +211,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
 
     try:
         values = {field: header[field].item() for field in CONFIG_FIELDS}
+        if values["tie_word_embeddings"] not in (0, 1):
+            raise ConfigError(f"tie_word_embeddings is {values['tie_word_embeddings']}, not 0 or 1")
         values["tie_word_embeddings"] = bool(values["tie_word_embeddings"])
         config = ModelConfig(**values)
     except (ConfigError, TypeError) as e:
@@ -254,6 +256,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
         if start < end:
             raise fail(f"tensors {first!r} and {second!r} overlap")
 
+    if config.num_layers > count:  # each layer has tensors: don't let a bad count build a huge spec list
+        raise fail(f"num_layers={config.num_layers} cannot fit in a table of {count} tensors")
     expected = config.tensor_specs()
     for name, (dtype_name, shape) in expected.items():
         if name not in tensors:
