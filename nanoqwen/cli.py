@@ -1,0 +1,296 @@
+"""The `nanoqwen` command (also `python -m nanoqwen`).
+
+    nanoqwen convert Qwen/Qwen2.5-Coder-7B-Instruct qwen7b.nanoqwen
+    nanoqwen inspect qwen7b.nanoqwen
+    nanoqwen generate qwen7b.nanoqwen "def quicksort(xs):" --max-new-tokens 128
+    nanoqwen chat qwen7b.nanoqwen
+
+Each subcommand is one `run_*` function registered with `@subcommand`, next to a function
+that declares its arguments. A module listed in OPTIONAL_SUBCOMMAND_MODULES registers its
+own subcommands the same way when it is present (the benchmark lives in `nanoqwen.bench`).
+Exit status: 0 success, 1 a problem with the input (one line on stderr, no traceback),
+2 a usage error (argparse's convention), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError
+from .loader import NanoqwenFormatError
+from .safetensors_reader import CheckpointError
+from .sampling import GenerationError
+
+DEFAULT_MODEL = Path(__file__).parent / "models" / "nano-coder" / "nano-coder.nanoqwen"
+OPTIONAL_SUBCOMMAND_MODULES = ("nanoqwen.bench",)
+# Problems with what the user gave us: reported in one line, exit status 1.
+USER_ERRORS = (NanoqwenFormatError, GenerationError, CheckpointError, ConfigError, OSError)
+
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def subcommand(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register the decorated `run(args) -> exit status` as `nanoqwen NAME`."""
+
+    def register(run: Callable[[argparse.Namespace], int]):
+        SUBCOMMANDS[name] = (help, arguments, run)
+        return run
+
+    return register
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .engine import BackendUnavailableError
+
+    return USER_ERRORS + (BackendUnavailableError,)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+# ---- convert ----
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="SRC", help="Hugging Face checkpoint directory or hub id")
+    p.add_argument("out", metavar="OUT", help="the .nanoqwen file to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+@subcommand("convert", "convert a Hugging Face Qwen2 checkpoint into a .nanoqwen file", _convert_arguments)
+def run_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    summary = convert(args.source, args.out, progress=not args.quiet)
+    print(f"wrote       {summary['out']}")
+    print(f"size        {_mib(summary['bytes'])} ({summary['bytes']:,} bytes)")
+    print(f"parameters  {summary['parameters']:,}")
+    print(f"tokenizer   {', '.join(summary['tokenizer']) or 'none (generate from token ids only)'}")
+    print(f"peak RSS    {_mib(summary['peak_rss_bytes'])}")
+    return 0
+
+
+# ---- inspect ----
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="a .nanoqwen file")
+    p.add_argument("--verify", action="store_true", help="also check every tensor's CRC-32 (reads the whole file)")
+
+
+def _tensor_records(path: Path) -> np.ndarray:
+    """The tensor table as stored (the loader has validated it already)."""
+    from .format import HEADER_DTYPE, RECORD_DTYPE
+
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(HEADER_DTYPE.itemsize), dtype=HEADER_DTYPE)[0]
+        f.seek(int(header["table_offset"]))
+        count = int(header["tensor_count"])
+        return np.frombuffer(f.read(count * RECORD_DTYPE.itemsize), dtype=RECORD_DTYPE)
+
+
+@subcommand("inspect", "print a .nanoqwen file's header, tensor table and bytes per token", _inspect_arguments)
+def run_inspect(args: argparse.Namespace) -> int:
+    from .format import DTYPE_NAMES, VERSION
+    from .kvcache import kv_bytes_per_token
+    from .loader import TOKENIZER_PREFIX, load
+
+    model = load(args.model, verify_checksums=args.verify)
+    c = model.config
+    print(f"{model.path}: .nanoqwen version {VERSION}, {model.path.stat().st_size:,} bytes")
+    for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                 "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "group_size"):
+        print(f"  {name:<24} {getattr(c, name)}")
+    records = _tensor_records(model.path)
+    width = max(len(bytes(r["name"]).rstrip(b"\0")) for r in records)
+    print(f"\n{'tensor':<{width}}  dtype  {'shape':<16} {'offset':>14} {'bytes':>14}")
+    totals: dict[str, int] = {}
+    for r in records:
+        name = bytes(r["name"]).rstrip(b"\0").decode()
+        shape = "x".join(str(int(d)) for d in r["shape"][: int(r["ndim"])])
+        nbytes = int(r["nbytes"])
+        print(f"{name:<{width}}  {DTYPE_NAMES[int(r['dtype'])]:<5}  {shape:<16} {int(r['offset']):>14,} {nbytes:>14,}")
+        kind = ("INT4 weights" if name.endswith(".qweight") else "INT4 scales" if name.endswith(".scales")
+                else "tokenizer" if name.startswith(TOKENIZER_PREFIX) else "fp16 tensors")
+        totals[kind] = totals.get(kind, 0) + nbytes
+    print()
+    for kind, nbytes in totals.items():
+        print(f"{kind:<14} {_mib(nbytes):>14}")
+    # A decoded token reads every weight once, but only one row of the embedding table (which
+    # is read whole as the lm_head when tied), plus the K/V of every position before it.
+    weights = sum(int(r["nbytes"]) for r in records if not bytes(r["name"]).startswith(TOKENIZER_PREFIX.encode()))
+    if not c.tie_word_embeddings:
+        weights -= model.embed.nbytes - model.embed[0].nbytes
+    print(f"\nbytes per decoded token: {_mib(weights)} of weights ({weights:,} bytes)"
+          f" + {kv_bytes_per_token(c):,} bytes of KV cache per position of context")
+    if args.verify:
+        print("checksums: all tensors match their CRC-32")
+    return 0
+
+
+# ---- generate ----
+
+
+def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) keeps every token")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass, 1 (default) keeps every token")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
+                   help="auto (default) takes CUDA when CuPy sees a GPU")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="KV cache capacity in tokens (default: the model's, at most 4096)")
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", nargs="?", help=f"a .nanoqwen file (default: the shipped nano-coder)")
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt; '-' reads it from stdin")
+    _sampling_arguments(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    p.add_argument("--fim-suffix", metavar="TEXT", default=None,
+                   help="fill in the middle: PROMPT is the code before the gap, TEXT the code after it")
+    p.add_argument("--token-ids", action="store_true",
+                   help="PROMPT is token ids separated by spaces or commas; print ids, not text")
+
+
+def _model_path(model: str | None) -> Path:
+    if model is not None:
+        return Path(model)
+    if not DEFAULT_MODEL.exists():
+        raise GenerationError(
+            f"no MODEL given and the shipped nano-coder is missing ({DEFAULT_MODEL} does not exist); "
+            "pass a .nanoqwen file, e.g. one made with `nanoqwen convert`"
+        )
+    return DEFAULT_MODEL
+
+
+def _engine(args: argparse.Namespace):
+    from .engine import Engine
+
+    return Engine(_model_path(args.model), backend=args.backend, max_context=args.max_context)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed)
+
+
+@subcommand("generate", "continue a prompt, streaming the text to stdout", _generate_arguments)
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.token_ids:
+        try:
+            prompt = [int(t) for t in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise GenerationError(f"--token-ids: PROMPT must be integers, got {prompt!r:.60}") from None
+    engine = _engine(args)
+    with engine.stream(prompt, chat=args.chat, fim_suffix=args.fim_suffix, **_sampling(args)) as stream:
+        for piece in stream:
+            if args.token_ids:
+                if piece.token_id is not None:
+                    print(piece.token_id, end=" ", flush=True)
+            else:
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+    print()
+    result = stream.result
+    print(
+        f"[{len(result.token_ids)} tokens, finished by {result.finish_reason}; prompt {len(result.prompt_token_ids)} "
+        f"tokens in {result.prefill_seconds * 1e3:.1f} ms; decode {result.decode_tokens_per_second:.1f} tokens/s "
+        f"on {result.backend}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---- chat ----
+
+
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", nargs="?", help="a .nanoqwen file (default: the shipped nano-coder)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
+    _sampling_arguments(p)
+
+
+@subcommand("chat", "talk to a model through its chat template (/exit to leave, /reset to forget)", _chat_arguments)
+def run_chat(args: argparse.Namespace) -> int:
+    try:
+        import readline  # noqa: F401  (importing it gives input() line editing and history)
+    except ImportError:
+        pass
+    engine = _engine(args)
+    if engine.tokenizer is None:
+        raise GenerationError(f"{engine.model.path} carries no tokenizer, so it cannot chat")
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    print(f"chatting with {engine.model.path.name} on {engine.backend.name}; /exit to leave, /reset to forget")
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(opening)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        pieces = []
+        try:
+            with engine.stream(history, **_sampling(args)) as stream:
+                for piece in stream:
+                    pieces.append(piece.text)
+                    sys.stdout.write(piece.text)
+                    sys.stdout.flush()
+            print()
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+        except GenerationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()  # the turn that failed is not part of the conversation
+            continue
+        history.append({"role": "assistant", "content": "".join(pieces)})
+
+
+# ---- entry point ----
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for module in OPTIONAL_SUBCOMMAND_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog="nanoqwen", description="Qwen2.5-Coder inference from a .nanoqwen file.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help, arguments, run) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help, description=help)
+        arguments(sub)
+        sub.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except _user_errors() as e:
+        print(f"nanoqwen {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

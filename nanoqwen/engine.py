@@ -1,0 +1,335 @@
+"""The engine: prompt in, tokens out, on whichever backend runs the model.
+
+    engine = Engine("model.nanoqwen")                 # backend="auto": CUDA if present
+    result = engine.generate("def fib(n):", max_new_tokens=64)
+    for piece in engine.stream("Write a haiku", chat=True, temperature=0.7, seed=1):
+        print(piece.text, end="", flush=True)
+
+A request is: encode the prompt, reserve KV pages for prompt + max_new_tokens, *prefill* the
+whole prompt in one call (its K/V go into the pages, its last logits pick the first new
+token), then *decode* one token per call, each reading the cache the earlier calls wrote.
+Pages are reserved up front so that the decode loop never allocates: every step is the same
+work on the same buffers, which is what lets the CUDA backend replay one captured graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+from .kvcache import KVCacheFullError, PageAllocator, pages_needed
+from .loader import Model, load
+from .sampling import GenerationError, SamplingParams, sample
+from .tokenizer import StreamDecoder, Tokenizer
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "ContextLengthError",
+    "Engine",
+    "GenerationError",
+    "GenerationResult",
+    "Stream",
+    "TokenPiece",
+    "cuda_available",
+    "make_backend",
+]
+
+DEFAULT_MAX_CONTEXT = 4096  # tokens; the 7B allows 32768, but its KV cache would be 1.8 GB
+DEFAULT_MAX_NEW_TOKENS = 256
+BACKENDS = ("auto", "numpy", "cuda")
+
+
+class Backend(Protocol):
+    """What the engine needs from a backend. Both `NumpyBackend` and `CudaBackend` provide it.
+
+    A backend owns the model's weights on its device and the KV pool of `num_pages` pages; the
+    engine owns the page tables. Token ids and page tables are int32 host arrays.
+    """
+
+    name: str
+    config: ModelConfig
+    num_pages: int
+
+    def prefill(self, token_ids: np.ndarray, start_pos: int, page_table: np.ndarray) -> np.ndarray:
+        """Write K/V of token_ids [T] at positions start_pos..start_pos+T-1; fp32 logits [vocab] of the last."""
+
+    def decode(self, token_id: int, position: int, page_table: np.ndarray) -> np.ndarray:
+        """One token at `position` (reads positions 0..position); fp32 logits [vocab]."""
+
+    def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
+        """argmax of `decode`, without bringing the logits to the host."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (no CuPy, no GPU, no CUDA backend)."""
+
+
+class ContextLengthError(GenerationError):
+    """prompt + max_new_tokens does not fit the model's context or the engine's KV cache."""
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One step of a stream: the token and the text it completes.
+
+    `text` is "" while a multi-byte character is still unfinished (and always "" for a model
+    without a tokenizer). A final piece with token_id None flushes text held back at the end.
+    """
+
+    token_id: int | None
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated, without the stop token
+    text: str | None  # None for a model without a tokenizer
+    finish_reason: str  # "stop": a stop token came; "length": max_new_tokens were made
+    prefill_seconds: float  # prompt in, first token chosen (time to first token)
+    decode_seconds: float  # every later token
+    backend: str
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = len(self.token_ids) - 1 + (self.finish_reason == "stop")
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+@dataclass
+class _Request:
+    prompt_ids: np.ndarray  # int32 [T]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    result: GenerationResult | None = None
+    generated: list[int] = field(default_factory=list)
+
+
+class Stream:
+    """An iterator of TokenPieces; `result` is the GenerationResult once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[TokenPiece], request: _Request):
+        self._pieces = pieces
+        self._request = request
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> TokenPiece:
+        return next(self._pieces)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._request.result
+
+    def close(self) -> None:
+        """Stop early and give the pages back."""
+        self._pieces.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports, sees a GPU, and the CUDA backend module exists."""
+    if importlib.util.find_spec("cupy") is None or importlib.util.find_spec("nanoqwen.backend_cuda") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # CuPy raises its own error types when the driver or device is missing
+        return False
+
+
+def make_backend(name: str, model: Model, num_pages: int) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "cuda" if cuda_available() else "numpy"
+    if name == "numpy":
+        from .backend_numpy import NumpyBackend
+
+        return NumpyBackend(model, num_pages)
+    if not cuda_available():
+        raise BackendUnavailableError(
+            "backend 'cuda' needs CuPy (pip install 'nanoqwen[cuda13]'), a visible NVIDIA GPU "
+            "and nanoqwen.backend_cuda; use --backend numpy to run on the CPU"
+        )
+    from .backend_cuda import CudaBackend
+
+    return CudaBackend(model, num_pages)
+
+
+class Engine:
+    def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None):
+        self._owns_model = not isinstance(model_or_path, Model)
+        self.model = load(model_or_path) if self._owns_model else model_or_path
+        self.config = self.model.config
+        limit = self.config.max_position_embeddings
+        if max_context is None:
+            max_context = min(limit, DEFAULT_MAX_CONTEXT)
+        if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or not 0 < max_context <= limit:
+            raise GenerationError(f"max_context must be an integer in 1..{limit} (the model's context), got {max_context!r}")
+        self.max_context = int(max_context)
+        self.allocator = PageAllocator(pages_needed(self.max_context))
+        self.backend = make_backend(backend, self.model, self.allocator.num_pages)
+        self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files)
+
+    def __repr__(self) -> str:
+        return f"Engine({self.model!r}, backend={self.backend.name!r}, max_context={self.max_context})"
+
+    # ---- building a request: every check happens here, before any page is taken ----
+
+    def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None) -> list[int]:
+        """Token ids for a text prompt, a list of chat messages, or token ids (checked)."""
+        if isinstance(prompt, str) or _is_messages(prompt):
+            if self.tokenizer is None:
+                raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids")
+            if fim_suffix is not None and (chat or not isinstance(prompt, str)):
+                raise GenerationError("fim_suffix (fill-in-the-middle) cannot be combined with a chat prompt")
+            if fim_suffix is not None:
+                if not isinstance(fim_suffix, str):
+                    raise GenerationError(f"fim_suffix must be a string, got {type(fim_suffix).__name__}")
+                text = self.tokenizer.fim_prompt(prompt, fim_suffix)
+            elif chat or not isinstance(prompt, str):
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                text = self.tokenizer.chat_prompt(messages)
+            else:
+                text = prompt
+            ids = self.tokenizer.encode(text)
+        else:
+            if chat or fim_suffix is not None:
+                raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
+            ids = self._check_token_ids(prompt, "prompt")
+        if not ids:
+            raise GenerationError("the prompt is empty (0 tokens)")
+        return ids
+
+    def _check_token_ids(self, ids, what: str) -> list[int]:
+        array = np.asarray(ids)
+        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise GenerationError(f"{what} must be a string or a flat sequence of integer token ids, got {ids!r:.80}")
+        bad = array[(array < 0) | (array >= self.config.vocab_size)]
+        if bad.size:
+            raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
+        return [int(i) for i in array]
+
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix) -> _Request:
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if stop_token_ids is None:
+            stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
+        else:
+            if isinstance(stop_token_ids, (int, np.integer)):
+                stop_token_ids = [stop_token_ids]
+            stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids")
+        ids = self.encode_prompt(prompt, chat, fim_suffix)
+        total = len(ids) + int(max_new_tokens)
+        if total > self.max_context:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
+                f"engine's context of {self.max_context} (max_context; the model allows "
+                f"{self.config.max_position_embeddings})"
+            )
+        return _Request(np.array(ids, dtype=np.int32), int(max_new_tokens), sampling, frozenset(stop_ids))
+
+    # ---- running it ----
+
+    def _run(self, request: _Request) -> Iterator[TokenPiece]:
+        prompt_len = len(request.prompt_ids)
+        try:
+            page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
+        except KVCacheFullError as e:
+            raise GenerationError(f"{e} (other generations still hold pages)") from e
+        backend, sampling, rng = self.backend, request.sampling, request.sampling.rng()
+        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        finish_reason, timings = "length", [0.0, 0.0]
+        try:
+            start = time.perf_counter()
+            token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, rng)
+            timings[0] = time.perf_counter() - start
+            for step in range(request.max_new_tokens):
+                if token in request.stop_ids:
+                    finish_reason = "stop"
+                    break
+                request.generated.append(token)
+                yield TokenPiece(token, decoder.push(token) if decoder else "")
+                if step + 1 == request.max_new_tokens:
+                    break
+                start = time.perf_counter()
+                position = prompt_len + step  # where `token` goes in the cache
+                if sampling.greedy:
+                    token = backend.decode_greedy(token, position, page_table)
+                else:
+                    token = sample(backend.decode(token, position, page_table), sampling, rng)
+                timings[1] += time.perf_counter() - start
+            if decoder and (rest := decoder.flush()):
+                yield TokenPiece(None, rest)
+        finally:
+            self.allocator.free(page_table)
+        request.result = GenerationResult(
+            prompt_token_ids=request.prompt_ids.tolist(),
+            token_ids=list(request.generated),
+            text=self.tokenizer.decode(request.generated) if self.tokenizer else None,
+            finish_reason=finish_reason,
+            prefill_seconds=timings[0],
+            decode_seconds=timings[1],
+            backend=backend.name,
+        )
+
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
+               chat: bool = False, fim_suffix: str | None = None) -> Stream:
+        """Like `generate`, but yields TokenPieces as tokens are made.
+
+        Arguments are checked now, not at the first `next()`. The request's pages are freed
+        when the stream ends, fails, is closed, or is dropped; `.result` is set at its end.
+        """
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        return Stream(self._run(request), request)
+
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
+                 chat: bool = False, fim_suffix: str | None = None) -> GenerationResult:
+        """Run a request to the end.
+
+        prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]). chat=True
+        wraps a text prompt as one user message of the chat template; fim_suffix makes a
+        fill-in-the-middle prompt (the prompt is the code before the gap). temperature 0 is
+        greedy; seed makes sampling reproducible. Generation stops at max_new_tokens or at a
+        stop token (default: <|im_end|> and <|endoftext|>, as the tokenizer numbers them).
+        """
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        for _ in self._run(request):
+            pass
+        return request.result
+
+    def close(self) -> None:
+        if self._owns_model:
+            self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 and all(
+        isinstance(m, Mapping) for m in prompt
+    )

@@ -1,0 +1,85 @@
+"""The paged KV cache: a pool of 16-token pages and the allocator that hands them out.
+
+One pool per engine holds K and V of every layer:
+
+    kv_pool  float16 [num_layers, num_pages, 2, num_kv_heads, PAGE_SIZE, head_dim]
+                                            ^ 0 = K, 1 = V
+
+A sequence owns a list of page ids, its *page table*: position p lives in page
+`table[p // PAGE_SIZE]`, row `p % PAGE_SIZE`, and a page id names the same 16 positions in
+every layer. Pages need not be contiguous or ordered, so sequences of any length share one
+pool without fragmentation; only the last page of a sequence (its tail) is partly filled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .config import PAGE_SIZE, ModelConfig
+
+__all__ = ["PAGE_SIZE", "KVCacheFullError", "PageAllocator", "kv_pool_shape", "kv_bytes_per_token", "pages_needed"]
+
+
+class KVCacheFullError(RuntimeError):
+    """The pool has fewer free pages than a request asked for."""
+
+
+def pages_needed(num_tokens: int) -> int:
+    """Pages that hold `num_tokens` positions: the last one may be partly filled."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // PAGE_SIZE)
+
+
+def kv_pool_shape(config: ModelConfig, num_pages: int) -> tuple[int, int, int, int, int, int]:
+    """(L, P, 2, KVH, 16, D): the layout every backend and kernel agrees on."""
+    return (config.num_layers, num_pages, 2, config.num_kv_heads, PAGE_SIZE, config.head_dim)
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """fp16 K and V of one position across all layers: what each cached token costs."""
+    return config.num_layers * 2 * config.kv_dim * 2
+
+
+class PageAllocator:
+    """Hands out page ids of a pool of `num_pages` pages and takes them back.
+
+    The free list is a stack: pages freed last are handed out first, so a new request reuses
+    pages that still hold another sequence's stale K/V. That is deliberate: attention must
+    never read a row its own sequence has not written, and reuse makes any such bug visible.
+    """
+
+    def __init__(self, num_pages: int):
+        if not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        self.num_pages = int(num_pages)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self._in_use: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> np.ndarray:
+        """`n` page ids as an int32 array (a page table), or KVCacheFullError."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise KVCacheFullError(
+                f"KV cache full: asked for {n} pages ({n * PAGE_SIZE} tokens), "
+                f"{len(self._free)} of {self.num_pages} are free"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        self._in_use.update(pages)
+        return np.array(pages, dtype=np.int32)
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool. Freeing a page that is not in use is a bug: it raises."""
+        pages = [int(p) for p in np.asarray(pages, dtype=np.int64).reshape(-1)]
+        unknown = [p for p in pages if p not in self._in_use]
+        if unknown or len(set(pages)) != len(pages):
+            raise ValueError(f"pages {unknown or pages} are not allocated (double free?)")
+        self._in_use.difference_update(pages)
+        self._free.extend(reversed(pages))

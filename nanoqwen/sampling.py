@@ -1,0 +1,82 @@
+"""Choosing the next token from a row of logits: greedy, temperature, top-k, top-p.
+
+Sampling runs on the host in float64: the vocabulary is only ~152k entries, and doing it in
+double precision makes a seeded run reproducible across backends (the backends agree on the
+logits to fp32 rounding, and float64 arithmetic on top adds nothing platform-dependent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GenerationError", "SamplingParams", "sample"]
+
+
+class GenerationError(ValueError):
+    """A generation request the engine cannot serve; the message names the argument at fault.
+
+    It lives here, the lowest module that raises it; `nanoqwen.GenerationError` is the same class.
+    """
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not math.isfinite(t) or t < 0:
+            raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0 < p <= 1:
+            raise GenerationError(f"top_p must be a number in (0, 1] (1 = no nucleus filter), got {p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise GenerationError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def rng(self) -> np.random.Generator:
+        """A fresh generator per request: the same seed replays the same choices."""
+        return np.random.default_rng(self.seed)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from `logits` [vocab] under `params`; greedy ignores `rng`."""
+    if params.greedy:
+        best = int(np.argmax(logits))
+        if not np.isfinite(logits[best]):  # argmax returns the first NaN if there is one
+            raise FloatingPointError(f"logits are not finite (argmax hit {logits[best]})")
+        return best
+    scaled = np.asarray(logits, dtype=np.float64) / params.temperature
+    candidates = np.arange(scaled.shape[0])
+    if 0 < params.top_k < scaled.shape[0]:
+        candidates = np.argpartition(scaled, -params.top_k)[-params.top_k :]
+    # Most likely first; the stable sort keeps ties in id order, so a seed replays exactly.
+    candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
+    probs = np.exp(scaled[candidates] - scaled[candidates[0]])
+    probs /= probs.sum()
+    if not np.isfinite(probs).all():
+        raise FloatingPointError("logits hold NaN or +inf: cannot sample")
+    if params.top_p < 1:
+        # The nucleus: the shortest prefix whose mass reaches top_p (at least one token).
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
+    cumulative = np.cumsum(probs)
+    choice = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return int(candidates[min(choice, len(candidates) - 1)])

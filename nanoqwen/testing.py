@@ -1,0 +1,232 @@
+"""Small random Qwen2 models, built offline, for tests and chapters.
+
+    path = make_nanoqwen(tmp_dir, num_layers=2, num_heads=28, num_kv_heads=4, head_dim=32)
+    model = nanoqwen.load(path)
+    ref = reference_model(model)        # transformers, fp32, the same (dequantized) weights
+
+`make_hf_checkpoint` writes what the Hugging Face hub would hand us (config.json,
+model.safetensors in bfloat16, tokenizer.json, tokenizer_config.json), so the converter runs
+on the same kind of input as for Qwen2.5-Coder-7B-Instruct. The tokenizer is a byte-level BPE
+trained here on a few KB of fixed text, with Qwen's special tokens and a ChatML template.
+
+Why not the Hugging Face initialization: with std 0.02 every layer is a near-identity
+perturbation and the logits come out nearly uniform (std ~0.02 * sqrt(hidden)), so greedy
+choices hang on differences of 1e-3 that fp16 rounding can flip, and a test comparing two
+implementations would pass or fail by chance. Instead each projection gets std
+`1/sqrt(fan_in)`, which keeps activations O(1) through every layer (attention scores have
+std ~1, so attention is neither uniform nor one-hot), and the lm_head gets `3/sqrt(hidden)`,
+so logits have std ~3: a clear winner at most steps, with top-1/top-2 gaps far above rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .loader import Model
+from .quant import dequantize_int4
+
+__all__ = ["DEFAULT_CONFIG", "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "reference_model"]
+
+# Small enough to build and run in well under a second; every dimension a multiple of the
+# INT4 group (128) where the format requires it, GQA 2:1, untied lm_head like the 7B.
+DEFAULT_CONFIG = dict(
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")
+# Qwen2.5-Instruct's template shape: a default system turn when none is given, then ChatML.
+CHAT_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+EMBED_STD = 1.0  # embeddings are RMS-normed before use; std 1 also gives tied models peaked logits
+LM_HEAD_GAIN = 3.0  # logits std ~3 (see the module docstring)
+BIAS_STD = 0.1
+NORM_JITTER = 0.1  # norm weights 1 + N(0, 0.1): not all ones, so a missed norm weight shows
+
+_CORPUS_LINES = (
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import numpy as np\nx = np.zeros((4, 4), dtype=np.float32)\n",
+    "if value is None:\n    raise ValueError('value must not be None')\n",
+    "The quick brown fox jumps over the lazy dog.\n",
+    "A paged cache stores keys and values in pages of sixteen tokens.\n",
+    "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9, \u00fcber gro\u00df.\n",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068\u4e2d\u6587\u6587\u672c\u3002\n",
+    "Emoji: \U0001f642 \U0001f680 \u2728 and math: \u03b1 + \u03b2 = \u03b3.\n",
+    "while left < right:\n    mid = (left + right) // 2\n",
+    "with open(path) as f:\n    data = f.read()\n",
+)
+
+
+def _corpus() -> list[str]:
+    """A few KB of fixed text: code, prose and multi-byte characters, varied by index."""
+    return [line.replace("10", str(7 * n)).replace("x", "xyz"[n % 3]) for n in range(16) for line in _CORPUS_LINES]
+
+
+def make_tokenizer(vocab_size: int = DEFAULT_CONFIG["vocab_size"]):
+    """A byte-level BPE with at most `vocab_size` ids; the special tokens take the last ones."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # after training, so they get the last ids
+    return tok
+
+
+def _tokenizer_config(tok, model_max_length: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                      "single_word": False, "special": True}
+            for t in SPECIAL_TOKENS
+        },
+        "bos_token": None,
+        "eos_token": "<|im_end|>",  # as in Qwen2.5-Instruct
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _hf_config(config: ModelConfig):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,  # transformers 5 moves it into config.rope_parameters
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        architectures=["Qwen2ForCausalLM"],
+        attn_implementation="eager",
+    )
+
+
+def make_hf_checkpoint(directory, *, seed: int = 0, tokenizer: bool = True, **config_overrides) -> Path:
+    """Write a random Qwen2 checkpoint into `directory`; overrides use ModelConfig's field names."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    unknown = set(config_overrides) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}; choose from {sorted(DEFAULT_CONFIG)}")
+    config = ModelConfig(**{**DEFAULT_CONFIG, **config_overrides})
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    rng = np.random.default_rng(seed)
+    model = Qwen2ForCausalLM(_hf_config(config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                std = EMBED_STD
+            elif name == "lm_head.weight":
+                std = LM_HEAD_GAIN / np.sqrt(config.hidden_size)
+            elif name.endswith("norm.weight"):
+                param.copy_(torch.from_numpy(1 + NORM_JITTER * rng.standard_normal(param.shape, dtype=np.float32)))
+                continue
+            elif name.endswith(".bias"):
+                std = BIAS_STD
+            else:  # a projection [out, in]
+                std = 1 / np.sqrt(param.shape[1])
+            param.copy_(torch.from_numpy(std * rng.standard_normal(param.shape, dtype=np.float32)))
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a progress bar per tiny checkpoint is noise in test logs
+    try:
+        model.to(torch.bfloat16).save_pretrained(directory)  # Qwen2.5 ships bfloat16 safetensors
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+    if tokenizer:
+        tok = make_tokenizer(config.vocab_size)
+        tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(_tokenizer_config(tok, config.max_position_embeddings), indent=2, ensure_ascii=False)
+        )
+    return directory
+
+
+def make_nanoqwen(directory, name: str = "model.nanoqwen", *, seed: int = 0, tokenizer: bool = True,
+                  **config_overrides) -> Path:
+    """`make_hf_checkpoint` into `directory/hf`, then convert it to `directory/name`."""
+    from .convert import convert
+
+    directory = Path(directory)
+    checkpoint = make_hf_checkpoint(directory / "hf", seed=seed, tokenizer=tokenizer, **config_overrides)
+    out = directory / name
+    convert(str(checkpoint), out, progress=False)
+    return out
+
+
+def reference_model(model: Model):
+    """transformers' Qwen2ForCausalLM in fp32 holding `model`'s weights, INT4 ones dequantized.
+
+    Both sides then share the exact same weights, so any difference between this and a
+    nanoqwen backend comes from the engine (its fp16 activations), not from quantization.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    def tensor(array: np.ndarray):
+        return torch.from_numpy(np.asarray(array, dtype=np.float32).copy())
+
+    c = model.config
+    state = {
+        "model.embed_tokens.weight": tensor(model.embed),
+        "model.norm.weight": tensor(model.final_norm),
+        "lm_head.weight": tensor(model.lm_head),
+    }
+    for i in range(c.num_layers):
+        layer = model.layer(i)
+        p = f"model.layers.{i}"
+        state[f"{p}.input_layernorm.weight"] = tensor(layer.input_norm)
+        state[f"{p}.post_attention_layernorm.weight"] = tensor(layer.post_norm)
+        for module, names in (("self_attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down"))):
+            for proj in names:
+                linear = getattr(layer, proj)
+                state[f"{p}.{module}.{proj}_proj.weight"] = tensor(dequantize_int4(linear.qweight, linear.scales))
+                if linear.bias is not None:
+                    state[f"{p}.{module}.{proj}_proj.bias"] = tensor(linear.bias)
+    reference = Qwen2ForCausalLM(_hf_config(c)).to(torch.float32)
+    reference.load_state_dict(state, strict=True)
+    return reference.eval()
+
