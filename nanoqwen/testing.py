@@ -59,8 +59,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-EMBED_STD = 1.0  # embeddings are RMS-normed before use; std 1 also gives tied models peaked logits
-LM_HEAD_GAIN = 3.0  # logits std ~3 (see the module docstring)
+LM_HEAD_GAIN = 3.0  # lm_head and embedding std 3/sqrt(hidden): logits std ~3 (see the docstring)
 BIAS_STD = 0.1
 NORM_JITTER = 0.1  # norm weights 1 + N(0, 0.1): not all ones, so a missed norm weight shows
 
@@ -156,9 +155,7 @@ def make_hf_checkpoint(directory, *, seed: int = 0, tokenizer: bool = True, **co
     model = Qwen2ForCausalLM(_hf_config(config))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                std = EMBED_STD
-            elif name == "lm_head.weight":
+            if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
                 std = LM_HEAD_GAIN / np.sqrt(config.hidden_size)
             elif name.endswith("norm.weight"):
                 param.copy_(torch.from_numpy(1 + NORM_JITTER * rng.standard_normal(param.shape, dtype=np.float32)))
