@@ -1,0 +1,93 @@
+"""Sampling: argument checks, the filters, reproducibility, and the distribution it draws from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen.sampling import GenerationError, SamplingParams, sample
+
+LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.7"), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=-5), "seed"),
+    (dict(seed=1.5), "seed"),
+])
+def test_nonsense_is_refused(kwargs, field):
+    with pytest.raises(GenerationError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    params = SamplingParams()
+    assert params.greedy and sample(logits, params, params.rng()) == int(np.argmax(logits))
+
+
+def test_filters_that_leave_one_token_are_greedy():
+    logits = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    for params in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
+        rng = params.rng()
+        assert {sample(logits, params, rng) for _ in range(50)} == {int(np.argmax(logits))}
+
+
+def frequencies(params: SamplingParams, draws: int = 20000) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    counts = np.bincount([sample(LOGITS, params, rng) for _ in range(draws)], minlength=len(LOGITS))
+    return counts / draws
+
+
+def test_temperature_one_draws_from_the_softmax():
+    np.testing.assert_allclose(frequencies(SamplingParams(temperature=1.0)), [0.4, 0.3, 0.2, 0.1], atol=0.015)
+
+
+def test_temperature_sharpens_and_flattens():
+    cold, hot = frequencies(SamplingParams(temperature=0.5)), frequencies(SamplingParams(temperature=4.0))
+    expected_cold = np.array([0.4, 0.3, 0.2, 0.1]) ** 2 / np.sum(np.array([0.4, 0.3, 0.2, 0.1]) ** 2)
+    np.testing.assert_allclose(cold, expected_cold, atol=0.015)
+    assert hot.max() - hot.min() < 0.15
+
+
+def test_top_k_and_top_p_renormalize_what_they_keep():
+    np.testing.assert_allclose(frequencies(SamplingParams(temperature=1.0, top_k=2)), [4 / 7, 3 / 7, 0, 0], atol=0.015)
+    # nucleus 0.5: 0.4 < 0.5, 0.4 + 0.3 >= 0.5, so the first two stay
+    np.testing.assert_allclose(frequencies(SamplingParams(temperature=1.0, top_p=0.5)), [4 / 7, 3 / 7, 0, 0], atol=0.015)
+    # nucleus 0.85: 0.9 is the first cumulative mass to reach it, so three stay
+    np.testing.assert_allclose(frequencies(SamplingParams(temperature=1.0, top_p=0.85)), [4 / 9, 3 / 9, 2 / 9, 0], atol=0.015)
+
+
+def test_masked_logits_are_never_drawn():
+    logits = np.array([0.0, -np.inf, 0.0, -np.inf], np.float32)
+    params = SamplingParams(temperature=1.0)
+    rng = params.rng()
+    assert {sample(logits, params, rng) for _ in range(200)} == {0, 2}
+
+
+def test_seed_replays_the_same_draws():
+    logits = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
+
+    def run(seed):
+        params = SamplingParams(temperature=1.0, top_k=100, top_p=0.9, seed=seed)
+        rng = params.rng()
+        return [sample(logits, params, rng) for _ in range(30)]
+
+    assert run(3) == run(3) and run(3) != run(4)
+
+
+def test_nan_logits_raise():
+    logits = np.array([0.0, np.nan, 1.0], np.float32)
+    with pytest.raises(FloatingPointError):
+        sample(logits, SamplingParams(), None)
+    with pytest.raises(FloatingPointError):
+        sample(logits, SamplingParams(temperature=1.0), np.random.default_rng(0))
