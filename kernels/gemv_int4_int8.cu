@@ -11,8 +11,9 @@
 //                                      (sum_{k in g} q[n,k] * xq[k]) * (wscale[n,g] * xscale[g])
 //                                      (+ bias[n])                               -> y f32 [N]
 //
-// Compile-time constant (-D): IN_FEATURES = K, a multiple of 128 (the row length, so every
-// loop below has a known trip count). N is a run-time argument.
+// K is a template parameter: one pair of entry points per input width of the model
+// (`_hidden`, `_q_dim`, `_intermediate`, from common.cuh's -D constants, which
+// nanoqwen/cuda_build.py sets), so every loop has a compile-time trip count. N is an argument.
 //
 // The CPU reference is nanoqwen/int8_path.py: quantize_activations_int8 and int4_int8_linear
 // compute the same bits (every float operation here is an explicit round-to-nearest intrinsic,
@@ -50,62 +51,51 @@
 // Sizes: |16 q x| <= 16 * 8 * 127, times 128 per group = 2,080,768 < 2^31; after the shift
 // the group sum is below 2^17, so its conversion to float is exact.
 
-#ifndef IN_FEATURES
-#error "compile with -DIN_FEATURES=<K>: the projection's input length, a multiple of 128"
-#endif
+#include "common.cuh"
 
-constexpr int GROUP_SIZE = 128;
-constexpr int GROUPS = IN_FEATURES / GROUP_SIZE;
-static_assert(IN_FEATURES % GROUP_SIZE == 0, "IN_FEATURES must be a multiple of the group size 128");
-static_assert(GROUPS > 0, "IN_FEATURES must be positive");
-
-constexpr unsigned FULL_WARP = 0xFFFFFFFFu;
-
-// fp16 bits -> fp32, without cuda_fp16.h (exact: every fp16 value is an fp32 value).
-__device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
-    return f;
-}
+// Everything but the entry points lives in a namespace, so that this file can share a module
+// with the engine's kernels without its constants colliding with theirs.
+namespace int8_path {
 
 // ------------------------------------------------------------------------------------------
 // Kernel 1: quantize the activation vector, symmetric, one fp32 scale per group of 128.
 //     scale = max|x| / 127,  q = clamp(rint(x / scale), -127, 127)   (q = 0 when scale = 0)
 // One warp per group; lane l holds elements 4l .. 4l+3 of it.
+// grid (ceil(K / 128 / QUANT_WARPS)), block (QUANT_WARPS * 32)
 // ------------------------------------------------------------------------------------------
 constexpr int QUANT_WARPS = 4;
 
-extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)
-quantize_activations_int8(const uint2* __restrict__ x,        // fp16 [K], four halves per uint2
-                          unsigned int* __restrict__ xq,      // int8 [K] in pair order, four per word
-                          float* __restrict__ xscale)         // [K/128]
-{
-    const int lane = threadIdx.x & 31;
-    const int group = blockIdx.x * QUANT_WARPS + threadIdx.x / 32;
-    if (group >= GROUPS) return;  // a whole warp leaves together: the shuffles below stay full
+template <int K>
+__device__ __forceinline__ void quantize_activations_int8(const uint2* __restrict__ x,  // fp16 [K], 4 per uint2
+                                                          unsigned int* __restrict__ xq,  // int8 [K], pair order
+                                                          float* __restrict__ xscale) {   // [K/128]
+  static_assert(K % NQ_GROUP_SIZE == 0 && NQ_GROUP_SIZE == 4 * WARP_SIZE, "one warp per group, 4 per lane");
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int group = blockIdx.x * QUANT_WARPS + threadIdx.x / WARP_SIZE;
+  if (group >= K / NQ_GROUP_SIZE) return;  // a whole warp leaves together: its shuffles stay full
 
-    const uint2 raw = x[group * 32 + lane];
-    const float v[4] = {half_bits_to_float(raw.x & 0xFFFFu), half_bits_to_float(raw.x >> 16),
-                        half_bits_to_float(raw.y & 0xFFFFu), half_bits_to_float(raw.y >> 16)};
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    // Non-negative floats order like their bit patterns read as unsigned integers, so the
-    // warp's integer max-reduction (one redux.sync) finds the largest magnitude.
-    amax = __uint_as_float(__reduce_max_sync(FULL_WARP, __float_as_uint(amax)));
-    const float scale = __fdiv_rn(amax, 127.0f);
+  const uint2 raw = x[group * WARP_SIZE + lane];
+  const float v[4] = {half_to_float(raw.x & 0xFFFFu), half_to_float(raw.x >> 16),
+                      half_to_float(raw.y & 0xFFFFu), half_to_float(raw.y >> 16)};
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  // Non-negative floats order like their bit patterns read as unsigned integers, so the
+  // warp's integer max-reduction (one redux.sync) finds the largest magnitude.
+  amax = __uint_as_float(__reduce_max_sync(FULL_MASK, __float_as_uint(amax)));
+  const float scale = __fdiv_rn(amax, 127.0f);
 
-    unsigned int mine = 0;  // this lane's four int8, in element order
+  unsigned int mine = 0;  // this lane's four int8, in element order
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        int q = 0;
-        if (scale > 0.0f) q = max(-127, min(127, __float2int_rn(__fdiv_rn(v[i], scale))));
-        mine |= (static_cast<unsigned int>(q) & 0xFFu) << (8 * i);
-    }
-    // An even lane holds x0..x3 of its chunk of eight, the odd lane beside it x4..x7.
-    // __byte_perm(a, b, s) picks result byte i from the eight bytes {b:a} by nibble i of s.
-    const unsigned int partner = __shfl_xor_sync(FULL_WARP, mine, 1);
-    xq[group * 32 + lane] = (lane & 1) ? __byte_perm(partner, mine, 0x7362)   // x2 x6 x3 x7
-                                       : __byte_perm(mine, partner, 0x5140);  // x0 x4 x1 x5
-    if (lane == 0) xscale[group] = scale;
+  for (int i = 0; i < 4; ++i) {
+    int q = 0;
+    if (scale > 0.0f) q = max(-127, min(127, __float2int_rn(__fdiv_rn(v[i], scale))));
+    mine |= (static_cast<unsigned int>(q) & 0xFFu) << (8 * i);
+  }
+  // An even lane holds x0..x3 of its chunk of eight, the odd lane beside it x4..x7.
+  // __byte_perm(a, b, s) picks result byte i from the eight bytes {b:a} by nibble i of s.
+  const unsigned int partner = __shfl_xor_sync(FULL_MASK, mine, 1);
+  xq[group * WARP_SIZE + lane] = (lane & 1) ? __byte_perm(partner, mine, 0x7362)   // x2 x6 x3 x7
+                                            : __byte_perm(mine, partner, 0x5140);  // x0 x4 x1 x5
+  if (lane == 0) xscale[group] = scale;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -117,100 +107,115 @@ quantize_activations_int8(const uint2* __restrict__ x,        // fp16 [K], four 
 // whole int32 before any float touches it; all four lanes of the quad then add the same
 // fp32 term to their slot sum. Slot s thus sums groups s, s+4, s+8, ... in that order, and
 // the row's result is (slot0 + slot1) + (slot2 + slot3). int4_int8_linear follows this order.
+// grid (ceil(N / ROWS_PER_BLOCK)), block (GEMV_THREADS)
 // ------------------------------------------------------------------------------------------
 constexpr int LANES_PER_ROW = 16;
 constexpr int GEMV_THREADS = 128;
 constexpr int ROWS_PER_BLOCK = GEMV_THREADS / LANES_PER_ROW;
-constexpr int ELEMENTS_PER_CHUNK = 32;                         // one uint4 of packed weights
-constexpr int CHUNKS_PER_ROW = IN_FEATURES / ELEMENTS_PER_CHUNK;
-constexpr int CHUNKS_PER_GROUP = GROUP_SIZE / ELEMENTS_PER_CHUNK;  // = lanes per quad
-constexpr int STEPS = (CHUNKS_PER_ROW + LANES_PER_ROW - 1) / LANES_PER_ROW;
+constexpr int ELEMENTS_PER_CHUNK = 32;                                // one uint4 of packed weights
+constexpr int CHUNKS_PER_GROUP = NQ_GROUP_SIZE / ELEMENTS_PER_CHUNK;  // lanes per quad
 constexpr int LOAD_BATCH = 8;  // chunks a lane has in flight before it starts multiplying
 static_assert(CHUNKS_PER_GROUP == 4 && LANES_PER_ROW / CHUNKS_PER_GROUP == 4,
               "int4_int8_linear assumes 4 lanes per group and 4 slots per row");
 
-// Weights are read once: keep them out of L1 so the activations (read by every row) stay.
-__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
+constexpr unsigned int SIGN_FLIP = 0x80808080u;
 
 // (w & 0xF0F0F0F0) ^ 0x80808080 in one lop3. Written in C++, ptxas emits two LOP3s (an
 // instruction holds only one immediate); with the flip constant in a register it is one.
 __device__ __forceinline__ int high_nibbles_to_signed_bytes(unsigned int w) {
-    unsigned int r;
-    asm("lop3.b32 %0, %1, 0xF0F0F0F0, %2, 0x6A;" : "=r"(r) : "r"(w), "r"(0x80808080u));
-    return static_cast<int>(r);
+  unsigned int r;
+  asm("lop3.b32 %0, %1, 0xF0F0F0F0, %2, 0x6A;" : "=r"(r) : "r"(w), "r"(SIGN_FLIP));
+  return static_cast<int>(r);
 }
 
 // 16 * (dot of the word's eight INT4 weights with their eight INT8 activations).
-__device__ __forceinline__ int dot_word(unsigned int w, int act_lo, int act_hi, int acc) {
-    const int lo = high_nibbles_to_signed_bytes(w << 4);  // 16*(q0, q4, q1, q5)
-    const int hi = high_nibbles_to_signed_bytes(w);       // 16*(q2, q6, q3, q7)
-    return __dp4a(hi, act_hi, __dp4a(lo, act_lo, acc));
+__device__ __forceinline__ int dot_word(unsigned int w, unsigned int act_lo, unsigned int act_hi, int acc) {
+  const int lo = high_nibbles_to_signed_bytes(w << 4);  // 16*(q0, q4, q1, q5)
+  const int hi = high_nibbles_to_signed_bytes(w);       // 16*(q2, q6, q3, q7)
+  return __dp4a(hi, static_cast<int>(act_hi), __dp4a(lo, static_cast<int>(act_lo), acc));
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-gemv_int4_int8(const uint4* __restrict__ qweight,          // [N, K/32] chunks of the [N, K/8] words
-               const unsigned short* __restrict__ wscale,  // fp16 bits [N, K/128]
-               const int4* __restrict__ xq,                // int8 [K] in pair order, 16 per int4
-               const float* __restrict__ xscale,           // [K/128]
-               const unsigned short* __restrict__ bias,    // fp16 bits [N], or null for none
-               float* __restrict__ y,                      // [N]
-               int rows)
-{
-    const int lane = threadIdx.x % LANES_PER_ROW;
-    const int wanted_row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / LANES_PER_ROW;
-    // Lanes past the last row work on a copy of it and store nothing, so that every lane of
-    // the warp reaches the full-warp shuffles.
-    const int row = min(wanted_row, rows - 1);
-    // This lane's first chunk, its activations, its group's scales; step s adds constant
-    // offsets (16 chunks, 512 activation bytes, 4 groups), which fold into the loads.
-    const uint4* my_chunks = qweight + static_cast<size_t>(row) * CHUNKS_PER_ROW + lane;
-    const int4* my_act = xq + 2 * lane;
-    const unsigned short* my_wscale = wscale + static_cast<size_t>(row) * GROUPS + lane / CHUNKS_PER_GROUP;
-    const float* my_xscale = xscale + lane / CHUNKS_PER_GROUP;
+template <int K>
+__device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight,          // [N, K/32] chunks
+                                               const unsigned short* __restrict__ wscale,  // fp16 [N, K/128]
+                                               const uint4* __restrict__ xq,       // int8 [K] pair order
+                                               const float* __restrict__ xscale,   // [K/128]
+                                               const unsigned short* __restrict__ bias,  // fp16 [N] or null
+                                               float* __restrict__ y, int rows) {  // [N]
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  constexpr int CHUNKS_PER_ROW = K / ELEMENTS_PER_CHUNK;
+  constexpr int STEPS = (CHUNKS_PER_ROW + LANES_PER_ROW - 1) / LANES_PER_ROW;
+  static_assert(K % NQ_GROUP_SIZE == 0, "K must be a multiple of the group size");
 
-    float slot_sum = 0.0f;
+  const int lane = threadIdx.x % LANES_PER_ROW;
+  const int wanted_row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / LANES_PER_ROW;
+  // Lanes past the last row work on a copy of it and store nothing, so that every lane of
+  // the warp reaches the full-warp shuffles.
+  const int row = min(wanted_row, rows - 1);
+  // This lane's first chunk, activations and scales; step s adds constant offsets (16
+  // chunks, 512 activation bytes, 4 groups), which fold into the loads' address fields.
+  const uint4* my_chunks = qweight + static_cast<long long>(row) * CHUNKS_PER_ROW + lane;
+  const uint4* my_act = xq + 2 * lane;
+  const unsigned short* my_wscale = wscale + static_cast<long long>(row) * GROUPS + lane / CHUNKS_PER_GROUP;
+  const float* my_xscale = xscale + lane / CHUNKS_PER_GROUP;
+
+  float slot_sum = 0.0f;
 #pragma unroll
-    for (int first = 0; first < STEPS; first += LOAD_BATCH) {
-        uint4 w[LOAD_BATCH];
+  for (int first = 0; first < STEPS; first += LOAD_BATCH) {
+    uint4 w[LOAD_BATCH];
 #pragma unroll
-        for (int b = 0; b < LOAD_BATCH; ++b) {
-            const int step = first + b;
-            if (step < STEPS && lane + LANES_PER_ROW * step < CHUNKS_PER_ROW)
-                w[b] = load_streaming(my_chunks + LANES_PER_ROW * step);
-        }
-#pragma unroll
-        for (int b = 0; b < LOAD_BATCH; ++b) {
-            const int step = first + b;
-            if (step >= STEPS) break;
-            int partial = 0;
-            float scale = 0.0f;
-            // Whole quads are in or out (K is a multiple of 128), so a quad never mixes
-            // a real group with padding.
-            if (lane + LANES_PER_ROW * step < CHUNKS_PER_ROW) {
-                const int4 a0 = __ldg(my_act + 2 * LANES_PER_ROW * step);
-                const int4 a1 = __ldg(my_act + 2 * LANES_PER_ROW * step + 1);
-                partial = dot_word(w[b].x, a0.x, a0.y, partial);
-                partial = dot_word(w[b].y, a0.z, a0.w, partial);
-                partial = dot_word(w[b].z, a1.x, a1.y, partial);
-                partial = dot_word(w[b].w, a1.z, a1.w, partial);
-                const int group_step = (LANES_PER_ROW / CHUNKS_PER_GROUP) * step;
-                scale = __fmul_rn(half_bits_to_float(my_wscale[group_step]), __ldg(my_xscale + group_step));
-            }
-            partial += __shfl_xor_sync(FULL_WARP, partial, 1);
-            partial += __shfl_xor_sync(FULL_WARP, partial, 2);
-            slot_sum = __fadd_rn(slot_sum, __fmul_rn(__int2float_rn(partial >> 4), scale));
-        }
+    for (int b = 0; b < LOAD_BATCH; ++b) {
+      const int step = first + b;
+      if (step < STEPS && lane + LANES_PER_ROW * step < CHUNKS_PER_ROW)
+        w[b] = load_weights_16B(my_chunks + LANES_PER_ROW * step);
     }
-    float row_sum = __fadd_rn(slot_sum, __shfl_xor_sync(FULL_WARP, slot_sum, 4));  // s0+s1, s2+s3
-    row_sum = __fadd_rn(row_sum, __shfl_xor_sync(FULL_WARP, row_sum, 8));         // (s0+s1)+(s2+s3)
-    if (lane == 0 && wanted_row < rows) {
-        if (bias != nullptr) row_sum = __fadd_rn(row_sum, half_bits_to_float(bias[row]));
-        y[row] = row_sum;
+#pragma unroll
+    for (int b = 0; b < LOAD_BATCH; ++b) {
+      const int step = first + b;
+      if (step >= STEPS) break;
+      int partial = 0;
+      float scale = 0.0f;
+      // Whole quads are in or out (K is a multiple of 128): a quad never mixes a real
+      // group with padding.
+      if (lane + LANES_PER_ROW * step < CHUNKS_PER_ROW) {
+        const uint4 a0 = load_activations_16B(my_act + 2 * LANES_PER_ROW * step);
+        const uint4 a1 = load_activations_16B(my_act + 2 * LANES_PER_ROW * step + 1);
+        partial = dot_word(w[b].x, a0.x, a0.y, partial);
+        partial = dot_word(w[b].y, a0.z, a0.w, partial);
+        partial = dot_word(w[b].z, a1.x, a1.y, partial);
+        partial = dot_word(w[b].w, a1.z, a1.w, partial);
+        const int group_step = (LANES_PER_ROW / CHUNKS_PER_GROUP) * step;
+        scale = __fmul_rn(half_to_float(__ldg(my_wscale + group_step)), __ldg(my_xscale + group_step));
+      }
+      partial += __shfl_xor_sync(FULL_MASK, partial, 1);
+      partial += __shfl_xor_sync(FULL_MASK, partial, 2);
+      slot_sum = __fadd_rn(slot_sum, __fmul_rn(__int2float_rn(partial >> 4), scale));
     }
+  }
+  float row_sum = __fadd_rn(slot_sum, __shfl_xor_sync(FULL_MASK, slot_sum, 4));  // s0+s1, s2+s3
+  row_sum = __fadd_rn(row_sum, __shfl_xor_sync(FULL_MASK, row_sum, 8));         // (s0+s1)+(s2+s3)
+  if (lane == 0 && wanted_row < rows) {
+    if (bias != nullptr) row_sum = __fadd_rn(row_sum, half_to_float(bias[row]));
+    y[row] = row_sum;
+  }
 }
+
+}  // namespace int8_path
+
+// Entry points, one per input width of the model (the names nanoqwen/int8_path.py looks up).
+#define NQ_INT8_PATH_KERNELS(SUFFIX, K)                                                                 \
+  extern "C" __global__ void __launch_bounds__(int8_path::QUANT_WARPS * WARP_SIZE)                     \
+      quantize_activations_int8_##SUFFIX(const uint2* __restrict__ x, unsigned int* __restrict__ xq,    \
+                                         float* __restrict__ xscale) {                                  \
+    int8_path::quantize_activations_int8<K>(x, xq, xscale);                                             \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(int8_path::GEMV_THREADS)                                 \
+      gemv_int4_int8_##SUFFIX(const uint4* __restrict__ qweight, const unsigned short* __restrict__ wscale, \
+                              const uint4* __restrict__ xq, const float* __restrict__ xscale,           \
+                              const unsigned short* __restrict__ bias, float* __restrict__ y, int rows) { \
+    int8_path::gemv_int4_int8<K>(qweight, wscale, xq, xscale, bias, y, rows);                           \
+  }
+
+NQ_INT8_PATH_KERNELS(hidden, NQ_HIDDEN)
+NQ_INT8_PATH_KERNELS(q_dim, NQ_Q_DIM)
+NQ_INT8_PATH_KERNELS(intermediate, NQ_INTERMEDIATE)
