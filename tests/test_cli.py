@@ -1,0 +1,154 @@
+"""The `nanoqwen` command on a tiny converted model: convert, inspect, generate, chat."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import nanoqwen
+from nanoqwen import cli
+from nanoqwen.engine import Engine
+from nanoqwen.testing import make_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("cli") / "hf", seed=11)
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoint):
+    out = checkpoint.parent / "tiny.nanoqwen"
+    assert cli.main(["convert", str(checkpoint), str(out), "--quiet"]) == 0
+    return out
+
+
+def run(capsys, *argv):
+    status = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_convert_prints_a_summary(capsys, checkpoint, tmp_path):
+    out = tmp_path / "again.nanoqwen"
+    status, stdout, _ = run(capsys, "convert", checkpoint, out, "--quiet")
+    assert status == 0
+    assert "peak RSS" in stdout and "parameters" in stdout and "tokenizer.json" in stdout
+    assert nanoqwen.load(out).config.vocab_size == 512
+
+
+def test_inspect_shows_header_table_and_budget(capsys, model_path):
+    status, stdout, _ = run(capsys, "inspect", model_path, "--verify")
+    assert status == 0
+    assert "num_kv_heads" in stdout and "model.layers.1.mlp.down_proj.qweight" in stdout
+    assert "u32    128x32" in stdout  # down_proj: 128 outputs x (256 inputs / 8 per word)
+    assert "bytes per decoded token" in stdout and "checksums: all tensors match" in stdout
+
+
+def test_generate_streams_the_engine_text(capsys, model_path):
+    status, stdout, stderr = run(capsys, "generate", model_path, "def add(a, b):", "--max-new-tokens", 12,
+                                 "--backend", "numpy")
+    assert status == 0
+    expected = Engine(model_path, backend="numpy").generate("def add(a, b):", max_new_tokens=12)
+    assert stdout == expected.text + "\n"
+    assert "tokens/s on numpy" in stderr
+
+
+def test_generate_sampling_chat_and_fim_flags(capsys, model_path):
+    common = ["--max-new-tokens", 6, "--backend", "numpy"]
+    a = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, *common)
+    b = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, *common)
+    assert a[0] == 0 and a[1] == b[1]
+    assert run(capsys, "generate", model_path, "hi", "--chat", *common)[0] == 0
+    assert run(capsys, "generate", model_path, "def f(", "--fim-suffix", "):\n    pass", *common)[0] == 0
+
+
+def test_generate_token_ids(capsys, model_path):
+    status, stdout, _ = run(capsys, "generate", model_path, "1, 2 3", "--token-ids", "--max-new-tokens", 4,
+                            "--backend", "numpy")
+    expected = Engine(model_path, backend="numpy").generate([1, 2, 3], max_new_tokens=4).token_ids
+    assert status == 0 and [int(t) for t in stdout.split()] == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "{model}", "x", "--top-p", "0"], "top_p"),
+    (["generate", "{model}", "x", "--max-new-tokens", "100000"], "exceeds"),
+    (["generate", "{model}", "x y", "--token-ids"], "must be integers"),
+    (["generate", "{model}", "999999", "--token-ids"], "outside the vocabulary"),
+    (["generate", "{missing}", "x"], "cannot open"),
+    (["inspect", "{missing}"], "cannot open"),
+    (["convert", "{missing}", "{missing}.out"], "not a checkpoint directory"),
+])
+def test_errors_are_one_line_with_status_1(capsys, model_path, tmp_path, argv, message):
+    argv = [a.format(model=model_path, missing=tmp_path / "missing") for a in argv]
+    status, _, stderr = run(capsys, *argv, *(["--backend", "numpy"] if argv[0] == "generate" else []))
+    assert status == 1
+    assert message in stderr and "Traceback" not in stderr and stderr.count("\n") == 1
+
+
+def test_corrupt_file_is_a_one_line_error(capsys, model_path, tmp_path):
+    corrupt = tmp_path / "corrupt.nanoqwen"
+    data = bytearray(model_path.read_bytes())
+    data[300] ^= 0xFF  # inside the tensor table
+    corrupt.write_bytes(bytes(data))
+    status, _, stderr = run(capsys, "inspect", corrupt)
+    assert status == 1 and "checksum" in stderr
+
+
+def test_default_model_missing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", tmp_path / "nano-coder.nanoqwen")
+    status, _, stderr = run(capsys, "generate", "def f():")
+    assert status == 1 and "nano-coder is missing" in stderr
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in (["generate"], ["bogus"], ["generate", "m", "p", "--temperature", "hot"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+    assert cli.main([]) == 2
+
+
+def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path):
+    lines = iter(["hello", "/reset", "write code", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen = []
+    original = Engine.stream
+
+    def recording_stream(self, prompt, **kwargs):
+        seen.append([dict(m) for m in prompt])
+        return original(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Engine, "stream", recording_stream)
+    status, stdout, _ = run(capsys, "chat", model_path, "--max-new-tokens", 5, "--backend", "numpy", "--system", "Be brief.")
+    assert status == 0 and "/exit to leave" in stdout
+    assert [m["role"] for m in seen[0]] == ["system", "user"]
+    assert [m["content"] for m in seen[1]] == ["Be brief.", "write code"]  # /reset forgot "hello"
+
+    lines = iter(["a question far too long for the context", "still here?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen.clear()
+    status, _, stderr = run(capsys, "chat", model_path, "--max-new-tokens", 1020, "--backend", "numpy")
+    assert status == 0 and "exceeds" in stderr
+    assert [m["content"] for m in seen[-1]] == ["still here?"]  # the failed turn left no trace
+
+
+def test_chat_ends_on_eof(capsys, monkeypatch, model_path):
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    assert run(capsys, "chat", model_path, "--backend", "numpy")[0] == 0
+
+
+def test_python_dash_m(model_path):
+    ok = subprocess.run([sys.executable, "-m", "nanoqwen", "generate", str(model_path), "1 2", "--token-ids",
+                         "--max-new-tokens", "3", "--backend", "numpy"], capture_output=True, text=True)
+    assert ok.returncode == 0 and len(ok.stdout.split()) == 3
+    bad = subprocess.run([sys.executable, "-m", "nanoqwen", "inspect", str(model_path) + ".nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    usage = subprocess.run([sys.executable, "-m", "nanoqwen", "generate"], capture_output=True, text=True)
+    assert usage.returncode == 2
