@@ -1,0 +1,125 @@
+// common.cuh: what every nanoqwen kernel file shares.
+//
+// The model's dimensions arrive as preprocessor constants (-DNQ_HIDDEN=3584 ...), set by
+// nanoqwen/cuda_build.py from the ModelConfig, so loop bounds and strides are compile-time
+// numbers the compiler can unroll. Half-precision values travel as raw 16-bit patterns
+// (`unsigned short`, two of them in an `unsigned int`) and are converted with one PTX
+// instruction each: the sources then need no CUDA header at all, and compile the same under
+// NVRTC (CuPy, at engine start) and under plain nvcc (CI's compile check).
+#pragma once
+
+#if !defined(NQ_HIDDEN) || !defined(NQ_INTERMEDIATE) || !defined(NQ_NUM_HEADS) ||         \
+    !defined(NQ_NUM_KV_HEADS) || !defined(NQ_HEAD_DIM) || !defined(NQ_VOCAB) ||           \
+    !defined(NQ_GROUP_SIZE) || !defined(NQ_PAGE_SIZE) || !defined(NQ_RMS_EPS)
+#error "compile with the model's dimensions: nanoqwen.cuda_build.kernel_defines(config) lists the -D options"
+#endif
+
+#define NQ_Q_DIM (NQ_NUM_HEADS * NQ_HEAD_DIM)
+#define NQ_KV_DIM (NQ_NUM_KV_HEADS * NQ_HEAD_DIM)
+#define NQ_QKV_DIM (NQ_Q_DIM + 2 * NQ_KV_DIM)
+
+static_assert(NQ_HIDDEN % 128 == 0 && NQ_INTERMEDIATE % 128 == 0 && NQ_Q_DIM % 128 == 0,
+              "projection inputs must split into whole INT4 groups of 128");
+static_assert(NQ_GROUP_SIZE == 128, "the INT4 GEMV maps one group onto 4 lanes x 32 weights");
+static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with i + head_dim/2");
+
+// The decode step's inputs live in one device int32 array so that one host-to-device copy
+// sets them and a captured CUDA graph can read them at fixed addresses.
+// nanoqwen/backend_cuda.py mirrors these offsets.
+#define STATE_TOKEN 0       // token id fed to the step; the greedy argmax writes the next one
+#define STATE_POSITION 1    // position of that token in its sequence
+#define STATE_SEQ_LEN 2     // positions attention reads: position + 1
+#define STATE_PAGE_TABLE 3  // the sequence's page table starts here
+
+constexpr int WARP_SIZE = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// ---------------------------------------------------------------- half precision as bits
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Round to nearest even, as numpy's astype(float16) does.
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// An fp16 pair (low half = first element) as two floats.
+__device__ __forceinline__ float2 half2_to_float2(unsigned int pair) {
+  return make_float2(half_to_float((unsigned short)(pair & 0xffffu)), half_to_float((unsigned short)(pair >> 16)));
+}
+
+__device__ __forceinline__ unsigned int float2_to_half2(float lo, float hi) {
+  return (unsigned int)float_to_half(lo) | ((unsigned int)float_to_half(hi) << 16);
+}
+
+// ---------------------------------------------------------------- loads
+
+// Weights are read exactly once per launch: 16 bytes per lane, kept out of L1 (which holds
+// the activations every warp re-reads), and each miss asks L2 to fetch the whole 256-byte
+// stretch the warp walks through next.
+__device__ __forceinline__ uint4 load_weights_16B(const void* address) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(address));
+  return v;
+}
+
+// Activations: small, read by every warp, so let them live in L1.
+__device__ __forceinline__ uint4 load_activations_16B(const void* address) {
+  return __ldg(reinterpret_cast<const uint4*>(address));
+}
+
+// ---------------------------------------------------------------- reductions
+
+// Butterfly sum: after step `offset`, each lane holds the sum of a block of 2*offset lanes;
+// after five steps every lane holds the whole warp's sum (no shared memory, no barrier).
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) value += __shfl_xor_sync(FULL_MASK, value, offset);
+  return value;
+}
+
+// Sum over a block of THREADS threads (a multiple of 32): each warp reduces by shuffles, one
+// lane per warp parks its sum in shared memory, and every thread adds up those few sums in
+// the same order, so all threads return the same value. `scratch` holds THREADS/32 floats.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block_sum needs whole warps");
+  constexpr int WARPS = THREADS / WARP_SIZE;
+  value = warp_sum(value);
+  if (WARPS == 1) return value;
+  if (threadIdx.x % WARP_SIZE == 0) scratch[threadIdx.x / WARP_SIZE] = value;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += scratch[w];
+  return total;
+}
+
+#define NEGATIVE_INFINITY __int_as_float(0xff800000)
+
+// Greedy choice: the larger logit wins, the smaller token id breaks a tie (numpy.argmax
+// returns the first maximum). NaN never wins; a search starts from (-inf, token 0), so logits
+// that are all NaN or -inf pick token 0 rather than an id outside the vocabulary.
+__device__ __forceinline__ bool better_candidate(float value, int index, float best_value, int best_index) {
+  return value > best_value || (value == best_value && index < best_index);
+}
+
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+    const float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
+    const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
+    if (better_candidate(other_value, other_index, value, index)) {
+      value = other_value;
+      index = other_index;
+    }
+  }
+}

@@ -1,0 +1,97 @@
+// elementwise.cu: the small kernels around the projections. Each reads its inputs once and
+// writes its outputs once; their cost in decode is the launch, not the bytes.
+#include "common.cuh"
+
+// ---------------------------------------------------------------- embedding
+// Reference: ops_numpy.embed: residual[t] = table[token_ids[t]] as fp32.
+// grid (T), block (EMBED_THREADS); token_ids int32 [T] (decode: the step state's token),
+// table fp16 [V, H], residual fp32 [T, H]. Ids are checked on the host (or come from argmax).
+constexpr int EMBED_VECTORS = NQ_HIDDEN / 8;  // 16-byte pieces of a table row
+constexpr int EMBED_THREADS = EMBED_VECTORS < 1024 ? EMBED_VECTORS : 1024;
+
+extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
+embed_tokens(const int* __restrict__ token_ids, const uint4* __restrict__ table, float4* __restrict__ residual) {
+  const long long token = token_ids[blockIdx.x];
+  const uint4* source = table + token * EMBED_VECTORS;
+  float4* destination = residual + (long long)blockIdx.x * (NQ_HIDDEN / 4);
+  for (int v = threadIdx.x; v < EMBED_VECTORS; v += EMBED_THREADS) {
+    const uint4 halves = __ldg(source + v);
+    const float2 a = half2_to_float2(halves.x), b = half2_to_float2(halves.y);
+    const float2 c = half2_to_float2(halves.z), d = half2_to_float2(halves.w);
+    destination[2 * v] = make_float4(a.x, a.y, b.x, b.y);
+    destination[2 * v + 1] = make_float4(c.x, c.y, d.x, d.y);
+  }
+}
+
+// ---------------------------------------------------------------- RoPE and the cache write
+// Reference: ops_numpy.apply_rope on q and k, then ops_numpy.write_kv.
+// The fused q|k|v projection arrives as `num_partials` fp32 slices (gemv_int4.cu's split K,
+// bias already added); token t sits at position positions_base[0] + t, read from device memory
+// so the same launch serves every decode step. Query heads are rotated into q_out (fp32, for
+// attention); each KV head's rotated K and plain V go as fp16 straight into the token's page:
+// page_table[pos / 16], row pos % 16.
+// grid (T, NUM_HEADS + NUM_KV_HEADS), block (HEAD_DIM / 2): thread i rotates dims i, i + D/2.
+//   qkv_partials fp32 [num_partials][T, QKV]   (slice p of row t at p * partial_stride + t * QKV)
+//   inv_freq     fp32 [D/2]   (ops_numpy.rope_inv_freq, computed once on the host)
+//   page_table   int32 [pages of the sequence]
+//   kv_layer     fp16 [num_pages, 2, KVH, 16, D]   (one layer of the pool)
+//   q_out        fp32 [T, Q_DIM]
+constexpr int ROPE_THREADS = NQ_HEAD_DIM / 2;
+
+__device__ __forceinline__ float sum_partials(const float* __restrict__ partials, int num_partials, int partial_stride,
+                                              long long index) {
+  float value = 0.0f;
+  for (int p = 0; p < num_partials; ++p) value += partials[(long long)p * partial_stride + index];
+  return value;
+}
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+rope_write_kv(const float* __restrict__ qkv_partials, int num_partials, int partial_stride,
+              const int* __restrict__ positions_base, const float* __restrict__ inv_freq,
+              const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer, float* __restrict__ q_out) {
+  const int token = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+  const int position = positions_base[0] + token;
+  const long long row = (long long)token * NQ_QKV_DIM;
+  float c, s;
+  sincosf((float)position * inv_freq[i], &s, &c);
+
+  const bool is_query = head < NQ_NUM_HEADS;
+  const int kv_head = head - NQ_NUM_HEADS;
+  const long long first = row + (is_query ? head * NQ_HEAD_DIM : NQ_Q_DIM + kv_head * NQ_HEAD_DIM);
+  const float x1 = sum_partials(qkv_partials, num_partials, partial_stride, first + i);
+  const float x2 = sum_partials(qkv_partials, num_partials, partial_stride, first + i + NQ_HEAD_DIM / 2);
+  const float rotated1 = x1 * c - x2 * s, rotated2 = x2 * c + x1 * s;
+
+  if (is_query) {
+    float* q = q_out + (long long)token * NQ_Q_DIM + head * NQ_HEAD_DIM;
+    q[i] = rotated1;
+    q[i + NQ_HEAD_DIM / 2] = rotated2;
+    return;
+  }
+  const long long page = page_table[position / NQ_PAGE_SIZE];
+  const int slot = position % NQ_PAGE_SIZE;
+  // [page][K or V][kv_head][slot][dim]
+  unsigned short* k = kv_layer + (((page * 2 + 0) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
+  unsigned short* v = kv_layer + (((page * 2 + 1) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
+  k[i] = float_to_half(rotated1);
+  k[i + NQ_HEAD_DIM / 2] = float_to_half(rotated2);
+  const long long v_first = row + NQ_Q_DIM + NQ_KV_DIM + kv_head * NQ_HEAD_DIM;
+  v[i] = float_to_half(sum_partials(qkv_partials, num_partials, partial_stride, v_first + i));
+  v[i + NQ_HEAD_DIM / 2] =
+      float_to_half(sum_partials(qkv_partials, num_partials, partial_stride, v_first + i + NQ_HEAD_DIM / 2));
+}
+
+// ---------------------------------------------------------------- SwiGLU for prefill
+// Reference: ops_numpy.silu_mul. Decode fuses this into gemv_int4_gate_up_silu; prefill's GEMM
+// leaves gate|up rows [T, 2 I] in fp32 and this makes h fp16 [T, I].
+// grid-stride over T * I elements
+extern "C" __global__ void __launch_bounds__(256)
+silu_mul_rows(const float* __restrict__ gate_up, unsigned short* __restrict__ h, int num_tokens) {
+  const long long total = (long long)num_tokens * NQ_INTERMEDIATE;
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+    const long long token = e / NQ_INTERMEDIATE, j = e % NQ_INTERMEDIATE;
+    const float gate = gate_up[token * 2 * NQ_INTERMEDIATE + j];
+    const float up = gate_up[token * 2 * NQ_INTERMEDIATE + NQ_INTERMEDIATE + j];
+    h[e] = float_to_half(gate / (1.0f + expf(-gate)) * up);
+  }
+}

@@ -1,0 +1,231 @@
+// gemv_int4.cu: y = W x for one token, W packed INT4 (group 128, fp16 scales), x fp16.
+//
+// Reference (nanoqwen/ops_numpy.py, int4_linear, with nanoqwen/quant.py's dequantize_int4):
+//     W = (nibble - 8) * scale   fp32 [N, K]
+//     y = x.astype(fp32) @ W.T (+ bias)
+//
+// Decode reads every weight once per token and does two FLOPs per weight, so the GEMV is a
+// pure memory stream: 0.5 byte per weight plus 2 bytes of scale per 128 weights. The work is
+// arranged so the arithmetic stays far below what the SM can issue:
+//
+// 1. Unpack without shifts per nibble. The packer (nanoqwen/quant.py) interleaves nibbles so
+//    that (word >> 4i) & 0x000F000F holds elements 2i and 2i+1 in its two 16-bit halves.
+//    OR-ing 0x64006400 makes each half the fp16 number 1024 + nibble (0x6400 is 1024, whose
+//    fp16 spacing is exactly 1), and one fp16x2 subtraction of 1032 leaves nibble - 8 exactly:
+//    one lop3 and one sub.f16x2 per pair, four pairs per 32-bit word.
+// 2. Multiply on the tensor cores. mma.m16n8k16 multiplies a 16x16 fp16 tile of W by a 16x8
+//    tile of x and accumulates in fp32. Every product (nibble - 8) * x is exact in fp16 input
+//    and fp32 accumulation, so this matches dequantize-then-fp32-dot up to summation order.
+//    Only one of the 8 columns is needed; x is simply repeated in all of them.
+// 3. Scales once per group: the 8 MMAs of one 128-wide group start from zero, and the group's
+//    sum is scaled into the fp32 accumulator with one FMA per row.
+//
+// Thread layout inside a warp (the mma fragment layout): lane = 4 g + t. The warp owns a tile
+// of 16 rows; lane (g, t) loads rows g and g + 8, and in each group the t-th 16-byte piece
+// (32 weights: elements 32t .. 32t + 31 of the group). Four lanes thus read one row's 64-byte
+// group side by side. The MMA's k index is free to relabel: lane (g, t) places its pairs at
+// the k slots 2t, 2t+1 (register a0/a1) and 2t+8, 2t+9 (a2/a3) and supplies x for the same
+// slots, identical for every g, which is all a dot product needs.
+//
+// Split K: a 16-row tile of a 3584-wide matrix is only 28 KB, and q/k/v/o have too few tiles to
+// give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, one
+// warp per (tile, split), and each writes an fp32 partial sum; the consumer adds the partials
+// (rmsnorm.cu's add_rmsnorm, elementwise.cu's rope_write_kv). No atomics: the result is
+// deterministic.
+#include "common.cuh"
+
+constexpr int TILE_ROWS = 16;
+constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
+constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread evenly over the SMs
+
+// lop3 with truth table 0xEA computes (a & b) | c.
+__device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ unsigned int sub_half2(unsigned int a, unsigned int b) {
+  unsigned int d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// One packed word -> four fp16 pairs (q[2i], q[2i+1]) with q = nibble - 8 in [-8, 7].
+__device__ __forceinline__ void unpack_int4_word(unsigned int word, unsigned int (&pairs)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = sub_half2(and_or(word >> (4 * i), 0x000F000Fu, 0x64006400u), 0x64086408u);
+}
+
+// d = A B + d for a 16x16 fp16 A (rows g, g+8), a 16x8 fp16 B, fp32 accumulators.
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                            unsigned int a3, unsigned int b0, unsigned int b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the
+// dot products of rows rows[tile][0] (= row g) and rows[tile][1] (= row g + 8) with x over the
+// groups [group_begin, group_end). BATCH groups are loaded before any is used, so each lane
+// keeps BATCH * TILES * 2 loads of 16 bytes in flight.
+template <int K, int TILES, int BATCH>
+__device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
+                                              const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ x, const int (&rows)[TILES][2],
+                                              int group_begin, int group_end, float (&acc)[TILES][2]) {
+  constexpr int WORDS_PER_ROW = K / 8;
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  const int t = threadIdx.x % 4;
+
+  for (int first = group_begin; first < group_end; first += BATCH) {
+    uint4 w[BATCH][TILES][2];
+    float s[BATCH][TILES][2];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int group = min(first + b, group_end - 1);  // past the end: reload the last group, unused
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const long long row = rows[tile][r];
+          w[b][tile][r] = load_weights_16B(qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t);
+          s[b][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      if (first + b < group_end) {  // the same for the whole warp
+        const unsigned short* xg = x + (first + b) * NQ_GROUP_SIZE + 32 * t;
+        uint4 xv[4];  // this lane's 32 activations, 8 per word of w
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = load_activations_16B(xg + 8 * j);
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          const unsigned int words0[4] = {w[b][tile][0].x, w[b][tile][0].y, w[b][tile][0].z, w[b][tile][0].w};
+          const unsigned int words1[4] = {w[b][tile][1].x, w[b][tile][1].y, w[b][tile][1].z, w[b][tile][1].w};
+          const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
+                                         {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
+                                         {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
+                                         {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
+            unpack_int4_word(words0[j], p0);
+            unpack_int4_word(words1[j], p1);
+            mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
+            mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
+          }
+          // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
+          acc[tile][0] = fmaf(s[b][tile][0], d[0], acc[tile][0]);
+          acc[tile][1] = fmaf(s[b][tile][1], d[2], acc[tile][1]);
+        }
+      }
+    }
+  }
+}
+
+// Warp `unit` of the grid computes split `unit % splits` of tile `unit / splits` and writes
+// partials[split][row] for its 16 rows; split 0 adds the bias.
+//   qweight uint32 [n_rows, K/8], scales fp16 [n_rows, K/128], bias fp16 [n_rows] or null,
+//   x fp16 [K], partials fp32 [splits, n_rows]
+template <int K>
+__device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restrict__ qweight,
+                                                   const unsigned short* __restrict__ scales,
+                                                   const unsigned short* __restrict__ bias,
+                                                   const unsigned short* __restrict__ x, float* __restrict__ partials,
+                                                   int n_rows, int splits) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  const int tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
+  if (unit >= tiles * splits) return;
+  const int tile = unit / splits, split = unit % splits;
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
+  const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
+  float acc[1][2] = {{0.0f, 0.0f}};
+  int4_tile_dot<K, 1, 4>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
+  if (lane % 4 == 0) {
+    float* out = partials + (long long)split * n_rows;
+    const bool add_bias = bias != nullptr && split == 0;
+    if (row0 < n_rows) out[row0] = acc[0][0] + (add_bias ? half_to_float(bias[row0]) : 0.0f);
+    if (row1 < n_rows) out[row1] = acc[0][1] + (add_bias ? half_to_float(bias[row1]) : 0.0f);
+  }
+}
+
+// One kernel per input width, so that K is a compile-time constant in each.
+// grid (ceil(ceil(n_rows / 16) * splits / warps per block)), block (GEMV_THREADS)
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+gemv_int4_from_hidden(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                      const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                      float* __restrict__ partials, int n_rows, int splits) {
+  gemv_int4_partials<NQ_HIDDEN>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+gemv_int4_from_q_dim(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                     const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                     float* __restrict__ partials, int n_rows, int splits) {
+  gemv_int4_partials<NQ_Q_DIM>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+gemv_int4_from_intermediate(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                            const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                            float* __restrict__ partials, int n_rows, int splits) {
+  gemv_int4_partials<NQ_INTERMEDIATE>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+// The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
+// Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
+// qweight/scales hold gate's rows then up's rows ([2 I, H/8] and [2 I, H/128]); each warp takes
+// the same 16 rows of both, over the whole input (silu needs the finished sum: no split).
+// grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
+gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                       const unsigned short* __restrict__ x, unsigned short* __restrict__ h) {
+  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
+  constexpr int TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
+  const int tile = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  if (tile >= TILES) return;
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
+  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  int4_tile_dot<NQ_HIDDEN, 2, 4>(qweight, scales, x, rows, 0, GROUPS, acc);
+  if (lane % 4 == 0) {
+    // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
+    if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
+    if (row1 < NQ_INTERMEDIATE) h[row1] = float_to_half(acc[0][1] / (1.0f + expf(-acc[0][1])) * acc[1][1]);
+  }
+}
+
+// Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a
+// packed matrix into a scratch buffer, one word (8 weights, one 16-byte store) per thread.
+// The fp32 product (nibble - 8) * scale is rounded to fp16 (relative error <= 2^-11).
+// grid-stride over n_rows * in_features / 8 words; out fp16 [n_rows, in_features]
+extern "C" __global__ void __launch_bounds__(256)
+dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                        uint4* __restrict__ out, int n_rows, int in_features) {
+  const long long words_per_row = in_features / 8;
+  const long long total = (long long)n_rows * words_per_row;
+  const int groups = in_features / NQ_GROUP_SIZE;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / words_per_row, word_in_row = i % words_per_row;
+    const float scale = half_to_float(scales[row * groups + word_in_row * 8 / NQ_GROUP_SIZE]);
+    unsigned int pairs[4];
+    unpack_int4_word(qweight[i], pairs);
+    unsigned int packed[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const float2 q = half2_to_float2(pairs[p]);
+      packed[p] = float2_to_half2(q.x * scale, q.y * scale);
+    }
+    out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}

@@ -1,0 +1,121 @@
+// lm_head.cu: logits = W x with W fp16 [V, H], x fp16 [H]; then the greedy argmax on device.
+//
+// Reference: ops_numpy.fp16_linear (fp32 products and sums) and numpy.argmax.
+//
+// At V = 152064 and H = 3584 the matrix is 1.09 GB, a quarter of every decoded token's bytes,
+// so this is the single largest stream of the step. A warp owns one row at a time: each lane
+// loads LM_PIECES_PER_LANE 16-byte pieces of it (all issued before the first is used) and
+// multiplies them with the matching pieces of x, which the block staged in shared memory once
+// for all its rows (in registers, x would halve the warps that fit on an SM). A butterfly (warp_sum) finishes the row. The grid is persistent: as many blocks
+// as fit on the GPU, each warp striding over rows, so no block ever waits to be scheduled.
+//
+// Greedy decoding needs only the index of the largest logit. Each warp tracks its best row
+// while it goes; each block leaves one (value, index) candidate; argmax_select_next reduces
+// the candidates and writes the winner where the next step's embedding reads its token.
+#include "common.cuh"
+
+constexpr int LM_PIECES = NQ_HIDDEN / 8;  // 16-byte pieces (8 halves) per row
+constexpr int LM_PIECES_PER_LANE = (LM_PIECES + WARP_SIZE - 1) / WARP_SIZE;
+constexpr int LM_THREADS = 256;
+constexpr int LM_WARPS = LM_THREADS / WARP_SIZE;
+
+__device__ __forceinline__ float dot8_half(uint4 w, uint4 x, float sum) {
+  const unsigned int ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 wf = half2_to_float2(ws[k]), xf = half2_to_float2(xs[k]);
+    sum = fmaf(wf.x, xf.x, sum);
+    sum = fmaf(wf.y, xf.y, sum);
+  }
+  return sum;
+}
+
+// grid (persistent: blocks that fit at once), block (LM_THREADS)
+//   x fp16 [H], weight fp16 [V, H], logits fp32 [V],
+//   candidate_values fp32 [gridDim.x], candidate_indices int32 [gridDim.x]
+extern "C" __global__ void __launch_bounds__(LM_THREADS, 2)
+lm_head_logits(const uint4* __restrict__ x, const uint4* __restrict__ weight, float* __restrict__ logits,
+               float* __restrict__ candidate_values, int* __restrict__ candidate_indices) {
+  __shared__ uint4 x_shared[LM_PIECES];
+  __shared__ float warp_values[LM_WARPS];
+  __shared__ int warp_indices[LM_WARPS];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = __ldg(x + piece);
+  __syncthreads();
+
+  float best_value = NEGATIVE_INFINITY;
+  int best_index = 0;
+  const int warps_in_grid = gridDim.x * LM_WARPS;
+  for (int row = blockIdx.x * LM_WARPS + warp; row < NQ_VOCAB; row += warps_in_grid) {
+    const uint4* w_row = weight + (long long)row * LM_PIECES;
+    uint4 w[LM_PIECES_PER_LANE];
+#pragma unroll
+    for (int p = 0; p < LM_PIECES_PER_LANE; ++p) {
+      const int piece = lane + p * WARP_SIZE;
+      if (piece < LM_PIECES) w[p] = load_weights_16B(w_row + piece);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
+      if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_shared[lane + p * WARP_SIZE], sum);
+    sum = warp_sum(sum);  // every lane now holds the row's logit
+    if (lane == 0) logits[row] = sum;
+    if (better_candidate(sum, row, best_value, best_index)) {
+      best_value = sum;
+      best_index = row;
+    }
+  }
+
+  if (lane == 0) {
+    warp_values[warp] = best_value;
+    warp_indices[warp] = best_index;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    float value = lane < LM_WARPS ? warp_values[lane] : NEGATIVE_INFINITY;
+    int index = lane < LM_WARPS ? warp_indices[lane] : 0;
+    warp_argmax(value, index);
+    if (lane == 0) {
+      candidate_values[blockIdx.x] = value;
+      candidate_indices[blockIdx.x] = index;
+    }
+  }
+}
+
+// The decode step's last kernel: reduce the lm_head's per-block candidates to the greedy
+// token, store it as the next step's input token, and advance position and sequence length,
+// so consecutive greedy steps can run without the host touching the state.
+// grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh)
+constexpr int ARGMAX_THREADS = 1024;
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_select_next(const float* __restrict__ candidate_values, const int* __restrict__ candidate_indices,
+                   int num_candidates, int* __restrict__ state) {
+  __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
+  __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  float value = NEGATIVE_INFINITY;
+  int index = 0;
+  for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {
+    if (better_candidate(candidate_values[c], candidate_indices[c], value, index)) {
+      value = candidate_values[c];
+      index = candidate_indices[c];
+    }
+  }
+  warp_argmax(value, index);
+  if (lane == 0) {
+    warp_values[warp] = value;
+    warp_indices[warp] = index;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    value = warp_values[lane];
+    index = warp_indices[lane];
+    warp_argmax(value, index);
+    if (lane == 0) {
+      state[STATE_TOKEN] = index;
+      state[STATE_POSITION] += 1;
+      state[STATE_SEQ_LEN] += 1;
+    }
+  }
+}

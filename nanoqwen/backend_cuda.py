@@ -1,0 +1,441 @@
+"""The CUDA backend: the Qwen2 forward pass as a fixed sequence of kernel launches.
+
+It implements the same protocol as `nanoqwen.backend_numpy.NumpyBackend` (see
+`nanoqwen.engine.Backend`) and computes the same numbers (ARCHITECTURE.md, "Numerics"), with
+the kernels in kernels/ compiled for this model by `nanoqwen.cuda_build`.
+
+Decode, one token, every launch on `self.stream` (L = num_layers):
+
+    embed_tokens                                   state.token -> residual (fp32)
+    per layer:
+      add_rmsnorm          residual += down partials of the layer before; normed = norm(residual)
+      gemv_int4_from_hidden    normed -> q|k|v partials (+ bias)               split K
+      rope_write_kv        partials -> q (fp32); K, V (fp16) into the cache at state.position
+      attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
+      gemv_int4_from_q_dim     attn -> o partials                              split K
+      add_rmsnorm          residual += o partials; normed = norm(residual)
+      gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
+      gemv_int4_from_intermediate  -> down partials                            split K
+    add_rmsnorm (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
+
+Every buffer is allocated in `__init__`; the per-step values (token, position, sequence length,
+page table) live in one device int32 array, `state`, which the host sets with one copy and
+which argmax_select_next advances. So a decode step allocates nothing, waits for nothing and
+passes the same arguments every time: one CUDA graph can capture it and serve every token.
+
+Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
+buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only
+numerical difference from the contract is that expansion's fp16 rounding of each weight
+(relative error <= 2^-11, documented in kernels/gemv_int4.cu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import cuda_build, ops_numpy
+from .config import PAGE_SIZE
+from .kvcache import kv_pool_shape, pages_needed
+from .loader import Int4Linear, Model
+
+# Offsets into `state` (kernels/common.cuh).
+STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_PAGE_TABLE = 0, 1, 2, 3
+TILE_ROWS = 16  # rows per warp in the INT4 GEMV (gemv_int4.cu)
+GEMV_THREADS = 32  # one warp per block
+LM_HEAD_THREADS = 256
+ARGMAX_THREADS = 1024
+ELEMENTWISE_THREADS = 256
+# Split K so that each SM gets about this many GEMV warps: at 8 x 16 bytes in flight per lane,
+# 12 warps keep ~48 KB per SM in flight, about what covers the DRAM latency at full bandwidth.
+GEMV_WARPS_PER_SM = 12
+BATCH_GROUPS = 4  # groups a GEMV warp loads at once: a split shorter than this wastes loads
+PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
+NULL = np.uint64(0)  # a null pointer kernel argument
+CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
+
+
+@dataclass
+class DeviceLinear:
+    """One INT4 projection on the device; `splits` is its split-K factor in decode."""
+
+    qweight: object  # cupy uint32 [out, in/8]
+    scales: object  # cupy float16 [out, in/128]
+    bias: object | None  # cupy float16 [out]
+    bias32: object | None  # cupy float32 [out]: prefill's GEMM starts from it
+    out_features: int
+    in_features: int
+    splits: int
+
+
+@dataclass
+class DeviceLayer:
+    input_norm: object  # cupy float16 [H]
+    post_norm: object
+    qkv: DeviceLinear  # q, k, v rows stacked: [Q + 2 KV, H]
+    o: DeviceLinear
+    gate_up: DeviceLinear  # gate rows then up rows: [2 I, H]
+    down: DeviceLinear
+
+
+def block_threads(config) -> dict[str, int]:
+    """Threads per block of the kernels whose block size is fixed by their __launch_bounds__."""
+    return {
+        "add_rmsnorm": min(config.hidden_size // 4, 1024),  # one float4 per thread (rmsnorm.cu)
+        "embed_tokens": min(config.hidden_size // 8, 1024),  # one 16-byte piece per thread
+        "rope_write_kv": config.head_dim // 2,  # one rotation pair per thread
+        "lm_head_logits": LM_HEAD_THREADS,
+        "argmax_select_next": ARGMAX_THREADS,
+    }
+
+
+def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128) -> int:
+    """Split-K factor for a decode GEMV: enough (tile, split) warps to fill the GPU, while
+    each split keeps at least one full batch of groups."""
+    tiles = -(-out_features // TILE_ROWS)
+    groups = in_features // group_size
+    wanted = -(-GEMV_WARPS_PER_SM * num_sms // tiles)
+    return max(1, min(wanted, groups // BATCH_GROUPS))
+
+
+def persistent_blocks(kernel, threads: int, num_sms: int) -> int:
+    """Blocks of a persistent kernel: as many as can be resident on the GPU at once."""
+    import cupy as cp
+
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)
+    return max(1, per_sm) * num_sms
+
+
+def _default_attention():
+    try:
+        from .cuda_attention import PagedAttention
+    except ModuleNotFoundError as e:
+        if e.name != "nanoqwen.cuda_attention":
+            raise
+        raise RuntimeError(
+            "nanoqwen.cuda_attention (the paged attention kernels) is not available, so the CUDA "
+            "backend cannot run attention; pass attention_factory= to substitute one"
+        ) from e
+    return PagedAttention
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, model: Model, num_pages: int, attention_factory=None):
+        """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
+
+        `attention_factory(config, num_pages, max_seq_len)` builds the attention object
+        (default: nanoqwen.cuda_attention.PagedAttention).
+        """
+        import cupy as cp
+
+        if not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        device = cp.cuda.Device()
+        if int(device.compute_capability) < 80:
+            raise RuntimeError(
+                f"the CUDA backend needs compute capability 8.0 or newer (mma.sync m16n8k16), "
+                f"GPU {device.id} has {device.compute_capability}"
+            )
+        self._cp = cp
+        self.model = model
+        self.config = c = model.config
+        self.num_pages = int(num_pages)
+        self.max_seq_len = min(c.max_position_embeddings, self.num_pages * PAGE_SIZE)
+        self.max_pages_per_seq = pages_needed(self.max_seq_len)
+        self.num_sms = device.attributes["MultiProcessorCount"]
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+        module = cuda_build.compile_module(c)
+        self.kernels = {
+            name: module.get_function(name)
+            for name in (
+                "embed_tokens", "add_rmsnorm", "gemv_int4_from_hidden", "gemv_int4_from_q_dim",
+                "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
+                "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
+            )
+        }
+        self.threads = block_threads(c)
+        for name, threads in self.threads.items():
+            if self.kernels[name].max_threads_per_block < threads:
+                raise RuntimeError(f"kernel {name} cannot run {threads} threads per block on this GPU")
+
+        with self.stream:
+            self.layers = [self._upload_layer(model.layer(i)) for i in range(c.num_layers)]
+            self.embed = cp.asarray(model.embed)  # fp16 [V, H]
+            self.lm_head = self.embed if c.tie_word_embeddings else cp.asarray(model.lm_head)
+            self.final_norm = cp.asarray(model.final_norm)
+            self.inv_freq = cp.asarray(ops_numpy.rope_inv_freq(c.head_dim, c.rope_theta))  # fp32 [D/2]
+            self.kv_pool = cp.zeros(kv_pool_shape(c, self.num_pages), dtype=cp.float16)
+            self._kv_layers = [self.kv_pool[i] for i in range(c.num_layers)]
+            self._allocate_decode_buffers()
+        self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
+        self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
+        device.synchronize()  # uploads and attention's set-up may run on other streams
+
+    # ------------------------------------------------------------------ setup
+
+    def _upload_linear(self, linears: list[Int4Linear]) -> DeviceLinear:
+        cp = self._cp
+        in_features = linears[0].in_features
+        if any(lin.in_features != in_features for lin in linears):
+            raise ValueError("projections stacked into one matrix must share their input size")
+        qweight = np.concatenate([lin.qweight for lin in linears])
+        scales = np.concatenate([lin.scales for lin in linears])
+        biases = [lin.bias for lin in linears]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("projections stacked into one matrix must all have a bias or none")
+        bias = None if biases[0] is None else cp.asarray(np.concatenate(biases))
+        return DeviceLinear(
+            qweight=cp.asarray(qweight),
+            scales=cp.asarray(scales),
+            bias=bias,
+            bias32=None if bias is None else bias.astype(cp.float32),
+            out_features=qweight.shape[0],
+            in_features=in_features,
+            splits=gemv_splits(qweight.shape[0], in_features, self.num_sms, self.config.group_size),
+        )
+
+    def _upload_layer(self, w) -> DeviceLayer:
+        cp = self._cp
+        return DeviceLayer(
+            input_norm=cp.asarray(w.input_norm),
+            post_norm=cp.asarray(w.post_norm),
+            qkv=self._upload_linear([w.q, w.k, w.v]),
+            o=self._upload_linear([w.o]),
+            gate_up=self._upload_linear([w.gate, w.up]),
+            down=self._upload_linear([w.down]),
+        )
+
+    def _allocate_decode_buffers(self) -> None:
+        cp, c = self._cp, self.config
+        first = self.layers[0]
+        self.state = cp.zeros(STATE_PAGE_TABLE + self.max_pages_per_seq, dtype=cp.int32)
+        self.token = self.state[STATE_TOKEN : STATE_TOKEN + 1]
+        self.position = self.state[STATE_POSITION : STATE_POSITION + 1]
+        self.seq_len = self.state[STATE_SEQ_LEN : STATE_SEQ_LEN + 1]
+        self.page_table = self.state[STATE_PAGE_TABLE:]
+        self.residual = cp.empty(c.hidden_size, dtype=cp.float32)
+        self.normed = cp.empty(c.hidden_size, dtype=cp.float16)
+        self.qkv_partials = cp.empty((first.qkv.splits, first.qkv.out_features), dtype=cp.float32)
+        self.q = cp.empty(c.q_dim, dtype=cp.float32)
+        self.attn_out = cp.empty(c.q_dim, dtype=cp.float16)
+        self.o_partials = cp.empty((first.o.splits, c.hidden_size), dtype=cp.float32)
+        self.mlp_hidden = cp.empty(c.intermediate_size, dtype=cp.float16)
+        self.down_partials = cp.empty((first.down.splits, c.hidden_size), dtype=cp.float32)
+        self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
+        self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
+        self.candidate_values = cp.empty(self.lm_head_blocks, dtype=cp.float32)
+        self.candidate_indices = cp.empty(self.lm_head_blocks, dtype=cp.int32)
+        self.prefill_start = cp.zeros(1, dtype=cp.int32)
+
+    # ------------------------------------------------------------------ launches
+
+    def _add_rmsnorm(self, residual, partials, num_partials: int, partial_stride: int, weight, out, rows: int) -> None:
+        self.kernels["add_rmsnorm"](
+            (rows,), (self.threads["add_rmsnorm"],),
+            (residual, NULL if num_partials == 0 else partials, np.int32(num_partials), np.int32(partial_stride),
+             weight, out),
+        )
+
+    def _gemv(self, kernel: str, linear: DeviceLinear, x, partials) -> None:
+        units = -(-linear.out_features // TILE_ROWS) * linear.splits
+        self.kernels[kernel](
+            (units,), (GEMV_THREADS,),
+            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, partials,
+             np.int32(linear.out_features), np.int32(linear.splits)),
+        )
+
+    def _rope_write_kv(self, partials, num_partials: int, partial_stride: int, positions_base, layer: int, q_out,
+                       num_tokens: int) -> None:
+        c = self.config
+        self.kernels["rope_write_kv"](
+            (num_tokens, c.num_heads + c.num_kv_heads), (self.threads["rope_write_kv"],),
+            (partials, np.int32(num_partials), np.int32(partial_stride), positions_base, self.inv_freq,
+             self.page_table, self._kv_layers[layer], q_out),
+        )
+
+    def _lm_head(self) -> None:
+        self.kernels["lm_head_logits"](
+            (self.lm_head_blocks,), (LM_HEAD_THREADS,),
+            (self.normed, self.lm_head, self.logits, self.candidate_values, self.candidate_indices),
+        )
+
+    @property
+    def launches_per_token(self) -> int:
+        """Kernel launches of one decode step, counting each attention.decode call as the
+        number of launches it reports (`launches_per_decode`, default 1)."""
+        attention = getattr(self.attention, "launches_per_decode", 1)
+        return 1 + self.config.num_layers * (7 + attention) + 3
+
+    def decode_step_launches(self, stream) -> int:
+        """Issue one decode step on `stream` from the inputs in `state`; returns the launch count.
+
+        No allocation, no synchronisation, arguments identical on every call: the sequence a
+        CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the greedy
+        token and the advanced position.
+        """
+        c, k = self.config, self.kernels
+        H = c.hidden_size
+        with stream:
+            k["embed_tokens"]((1,), (self.threads["embed_tokens"],), (self.token, self.embed, self.residual))
+            partials, num_partials = self.down_partials, 0  # layer 0 normalises the embedding as it is
+            for i, layer in enumerate(self.layers):
+                self._add_rmsnorm(self.residual, partials, num_partials, H, layer.input_norm, self.normed, 1)
+                self._gemv("gemv_int4_from_hidden", layer.qkv, self.normed, self.qkv_partials)
+                self._rope_write_kv(self.qkv_partials, layer.qkv.splits, layer.qkv.out_features, self.position, i,
+                                    self.q, 1)
+                self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
+                                      stream=stream)
+                self._gemv("gemv_int4_from_q_dim", layer.o, self.attn_out, self.o_partials)
+                self._add_rmsnorm(self.residual, self.o_partials, layer.o.splits, H, layer.post_norm, self.normed, 1)
+                k["gemv_int4_gate_up_silu"](
+                    (-(-c.intermediate_size // TILE_ROWS),), (GEMV_THREADS,),
+                    (layer.gate_up.qweight, layer.gate_up.scales, self.normed, self.mlp_hidden),
+                )
+                self._gemv("gemv_int4_from_intermediate", layer.down, self.mlp_hidden, self.down_partials)
+                partials, num_partials = self.down_partials, layer.down.splits
+            self._add_rmsnorm(self.residual, partials, num_partials, H, self.final_norm, self.normed, 1)
+            self._lm_head()
+            k["argmax_select_next"](
+                (1,), (ARGMAX_THREADS,),
+                (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state),
+            )
+        return self.launches_per_token
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_positions(self, first: int, count: int, page_table) -> np.ndarray:
+        """The page table as int32, after checking it covers positions first..first+count-1."""
+        page_table = np.asarray(page_table)
+        if page_table.ndim != 1 or not np.issubdtype(page_table.dtype, np.integer):
+            raise ValueError(f"page_table must be a 1-D integer array, got {page_table.dtype}{list(page_table.shape)}")
+        last = first + count - 1
+        if first < 0 or last >= self.max_seq_len:
+            raise ValueError(f"positions {first}..{last} outside 0..{self.max_seq_len - 1} (the backend's maximum)")
+        needed = last // PAGE_SIZE + 1
+        if not needed <= len(page_table) <= self.max_pages_per_seq:
+            raise ValueError(
+                f"positions {first}..{last} need {needed} pages; the page table has {len(page_table)} "
+                f"(at most {self.max_pages_per_seq})"
+            )
+        if page_table.min() < 0 or page_table.max() >= self.num_pages:
+            raise ValueError(f"page table holds ids outside 0..{self.num_pages - 1}")
+        return page_table.astype(np.int32)
+
+    def _check_tokens(self, token_ids) -> np.ndarray:
+        token_ids = np.asarray(token_ids)
+        if token_ids.ndim != 1 or len(token_ids) == 0 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise ValueError(f"expected a 1-D integer array of at least one token id, got {token_ids.dtype}{list(token_ids.shape)}")
+        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
+        return token_ids.astype(np.int32)
+
+    # ------------------------------------------------------------------ decode
+
+    def set_step_inputs(self, token_id: int, position: int, page_table) -> None:
+        """One host-to-device copy of the step's inputs. The whole page table goes up, so that
+        steps advanced on the device (argmax_select_next) find the pages reserved ahead."""
+        token = self._check_tokens(np.array([token_id]))[0]
+        pages = self._check_positions(position, 1, page_table)
+        host = np.empty(STATE_PAGE_TABLE + len(pages), dtype=np.int32)
+        host[STATE_TOKEN], host[STATE_POSITION], host[STATE_SEQ_LEN] = token, position, position + 1
+        host[STATE_PAGE_TABLE:] = pages
+        self.state[: len(host)].set(host, stream=self.stream)
+
+    def decode(self, token_id: int, position: int, page_table) -> np.ndarray:
+        """One token at `position` (its K/V is written there); logits [vocab] fp32."""
+        self.set_step_inputs(token_id, position, page_table)
+        self.decode_step_launches(self.stream)
+        return self.logits.get(stream=self.stream)
+
+    def decode_greedy(self, token_id: int, position: int, page_table) -> int:
+        """The argmax of `decode`, computed on the device: only 4 bytes come back."""
+        self.set_step_inputs(token_id, position, page_table)
+        self.decode_step_launches(self.stream)
+        return int(self.token.get(stream=self.stream)[0])
+
+    # ------------------------------------------------------------------ prefill
+
+    def _gemm(self, x, weight, out, beta: float) -> None:
+        """out [T, N] fp32 = x [T, K] fp16 @ weight [N, K]^T fp16 + beta * out, on the current stream.
+
+        cuBLAS is column-major: the row-major out^T = weight x^T is its (N x T) = (N x K)(K x T).
+        """
+        from cupy_backends.cuda.libs import cublas
+
+        num_tokens, k = x.shape
+        n = weight.shape[0]
+        handle = self._cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self._cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        alpha_host, beta_host = np.array(1.0, dtype=np.float32), np.array(beta, dtype=np.float32)
+        cublas.gemmEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, num_tokens, k,
+            alpha_host.ctypes.data, weight.data.ptr, CUDA_R_16F, k,
+            x.data.ptr, CUDA_R_16F, k,
+            beta_host.ctypes.data, out.data.ptr, CUDA_R_32F, n,
+            cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT,
+        )
+
+    def _expand(self, linear: DeviceLinear):
+        """linear's weights as fp16 [out, in] in the shared scratch buffer."""
+        cp = self._cp
+        size = linear.out_features * linear.in_features
+        if self._weight_scratch is None:
+            largest = max(p.out_features * p.in_features for p in
+                          (self.layers[0].qkv, self.layers[0].o, self.layers[0].gate_up, self.layers[0].down))
+            self._weight_scratch = cp.empty(largest, dtype=cp.float16)
+        dense = self._weight_scratch[:size].reshape(linear.out_features, linear.in_features)
+        words = size // 8
+        blocks = min(-(-words // ELEMENTWISE_THREADS), self.num_sms * 8)
+        self.kernels["dequantize_int4_to_half"](
+            (blocks,), (ELEMENTWISE_THREADS,),
+            (linear.qweight, linear.scales, dense, np.int32(linear.out_features), np.int32(linear.in_features)),
+        )
+        return dense
+
+    def _prefill_chunk(self, token_ids: np.ndarray, start_pos: int) -> None:
+        cp, c, k = self._cp, self.config, self.kernels
+        t, H = len(token_ids), c.hidden_size
+        ids = cp.asarray(token_ids)
+        self.prefill_start.set(np.array([start_pos], dtype=np.int32), stream=self.stream)
+        residual = cp.empty((t, H), dtype=cp.float32)
+        normed = cp.empty((t, H), dtype=cp.float16)
+        delta = cp.empty((t, H), dtype=cp.float32)
+        qkv = cp.empty((t, self.layers[0].qkv.out_features), dtype=cp.float32)
+        q = cp.empty((t, c.q_dim), dtype=cp.float32)
+        attn = cp.empty((t, c.q_dim), dtype=cp.float16)
+        gate_up = cp.empty((t, 2 * c.intermediate_size), dtype=cp.float32)
+        hidden = cp.empty((t, c.intermediate_size), dtype=cp.float16)
+
+        k["embed_tokens"]((t,), (self.threads["embed_tokens"],), (ids, self.embed, residual))
+        num_partials = 0
+        for i, layer in enumerate(self.layers):
+            self._add_rmsnorm(residual, delta, num_partials, t * H, layer.input_norm, normed, t)
+            qkv[...] = layer.qkv.bias32  # the GEMM adds onto the bias (beta = 1)
+            self._gemm(normed, self._expand(layer.qkv), qkv, beta=1.0)
+            self._rope_write_kv(qkv, 1, qkv.size, self.prefill_start, i, q, t)
+            self.attention.prefill(q, self._kv_layers[i], self.page_table, start_pos, t, attn)
+            self._gemm(attn, self._expand(layer.o), delta, beta=0.0)
+            self._add_rmsnorm(residual, delta, 1, t * H, layer.post_norm, normed, t)
+            self._gemm(normed, self._expand(layer.gate_up), gate_up, beta=0.0)
+            blocks = min(-(-hidden.size // ELEMENTWISE_THREADS), self.num_sms * 8)
+            k["silu_mul_rows"]((blocks,), (ELEMENTWISE_THREADS,), (gate_up, hidden, np.int32(t)))
+            self._gemm(hidden, self._expand(layer.down), delta, beta=0.0)
+            num_partials = 1
+        # Only the last token's logits are wanted: finish its row alone.
+        self._add_rmsnorm(residual[t - 1], delta[t - 1], 1, H, self.final_norm, self.normed, 1)
+        self._lm_head()
+
+    def prefill(self, token_ids, start_pos: int, page_table) -> np.ndarray:
+        """Write K/V of `token_ids` [T] at start_pos.. into the cache; logits [vocab] of the last."""
+        token_ids = self._check_tokens(token_ids)
+        pages = self._check_positions(start_pos, len(token_ids), page_table)
+        with self.stream:
+            self.page_table[: len(pages)].set(pages, stream=self.stream)
+            for begin in range(0, len(token_ids), PREFILL_CHUNK):
+                self._prefill_chunk(token_ids[begin : begin + PREFILL_CHUNK], start_pos + begin)
+            return self.logits.get(stream=self.stream)

@@ -1,0 +1,470 @@
+"""Every decoder-layer kernel of kernels/ against its numpy oracle, and the CUDA backend
+against the numpy backend. Needs CuPy and a GPU (marked `gpu`; skipped otherwise).
+
+Each test draws fresh random inputs (never zeros), poisons every output with NaN before the
+launch so an element the kernel forgot stays NaN, and runs at the 7B's shapes and at odd small
+ones (hidden 384, intermediate 640, vocab 1000, rows not a multiple of 16). Tolerances:
+
+* fp32 results of a dot product over K terms: |gpu - exact| <= 2e-5 * sum_k |x_k w_k|
+  (fp32 rounding of K-term sums in any order is far below this; a wrong element is not);
+* fp16 results: at most one fp16 spacing from the reference, since the kernel's fp32 value
+  may differ from numpy's in its last bits and round to the neighbouring half;
+* values that only move or add (embedding, residual, dequantization): exact or 1e-6.
+
+Attention is not this file's subject. When nanoqwen.cuda_attention is missing, the backend
+tests use `OracleAttention`, a TEST-ONLY stand-in that copies the cache to the host and runs
+ops_numpy.paged_attention (it synchronises, so the graph test then skips).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from nanoqwen import cuda_build
+from nanoqwen import ops_numpy as ops
+from nanoqwen.config import PAGE_SIZE, ModelConfig
+from nanoqwen.quant import dequantize_int4
+from nanoqwen.random_model import QWEN25_CODER_7B
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
+    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, CudaBackend, block_threads, gemv_splits,
+    persistent_blocks,
+)
+
+ODD = ModelConfig(
+    num_layers=2, hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64,
+    vocab_size=1000, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+CONFIGS = {"7b": QWEN25_CODER_7B, "odd": ODD}
+DOT_RTOL = 2e-5
+SAMPLED_ROWS = 384  # rows checked against the float64 reference in the large matrices
+
+
+@functools.lru_cache(maxsize=None)
+def module(config_name: str):
+    return cuda_build.compile_module(CONFIGS[config_name])
+
+
+def kernel(config_name: str, name: str):
+    return module(config_name).get_function(name)
+
+
+def num_sms() -> int:
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def poisoned(shape, dtype):
+    return cp.full(shape, cp.nan, dtype=dtype)
+
+
+def assert_half_close(actual: np.ndarray, expected: np.ndarray, extra=0.0) -> None:
+    """|actual - expected| <= one fp16 spacing at expected, plus `extra` (scalar or array)."""
+    actual = np.asarray(actual, dtype=np.float32)
+    expected32 = np.asarray(expected, dtype=np.float32)
+    assert np.isfinite(actual).all(), f"{(~np.isfinite(actual)).sum()} elements not written or not finite"
+    spacing = np.spacing(np.abs(expected32).astype(np.float16)).astype(np.float32)
+    error = np.abs(actual - expected32)
+    bad = error > spacing + extra
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} fp16 results off by more than one spacing; "
+        f"worst {error.max():.3g} at {np.unravel_index(error.argmax(), error.shape)}"
+    )
+
+
+def int4_reference(qweight, scales, bias, x, rows):
+    """Exact (float64) y[rows] of the INT4 linear, and the bound sum_k |x_k w_k| per row."""
+    w = dequantize_int4(qweight[rows], scales[rows]).astype(np.float64)
+    x64 = x.astype(np.float64)
+    y = w @ x64
+    if bias is not None:
+        y += bias[rows].astype(np.float64)
+    return y, np.abs(w) @ np.abs(x64)
+
+
+def random_int4(rng, out_features: int, in_features: int):
+    """Packed words with every nibble value 0..15 (the kernel must handle q = -8 too), and
+    scales of the size real weights have."""
+    qweight = rng.integers(0, 2**32, size=(out_features, in_features // 8), dtype=np.uint32)
+    scales = (0.004 + 0.008 * rng.random((out_features, in_features // 128))).astype(np.float16)
+    return qweight, scales
+
+
+def checked_rows(rng, n: int) -> np.ndarray:
+    if n <= 2 * SAMPLED_ROWS:
+        return np.arange(n)
+    return np.unique(np.concatenate([[0, n - 1], rng.choice(n, SAMPLED_ROWS, replace=False)]))
+
+
+# ---------------------------------------------------------------------- add_rmsnorm
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("rows, num_partials", [(1, 0), (1, 8), (5, 1), (3, 3)])
+def test_add_rmsnorm(config_name, rows, num_partials):
+    c = CONFIGS[config_name]
+    rng = np.random.default_rng([rows, num_partials, c.hidden_size])
+    h = c.hidden_size
+    residual = 2 * rng.standard_normal((rows, h), dtype=np.float32)
+    partials = rng.standard_normal((num_partials, rows, h), dtype=np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(h)).astype(np.float16)
+    residual_dev = cp.asarray(residual)
+    out = poisoned((rows, h), cp.float16)
+    kernel(config_name, "add_rmsnorm")(
+        (rows,), (block_threads(c)["add_rmsnorm"],),
+        (residual_dev, cp.asarray(partials) if num_partials else NULL, np.int32(num_partials), np.int32(rows * h),
+         cp.asarray(weight), out),
+    )
+    expected_residual, expected = ops.add_rmsnorm(residual, partials.sum(axis=0), weight, c.rms_norm_eps)
+    np.testing.assert_allclose(residual_dev.get(), expected_residual, rtol=1e-6, atol=1e-5)
+    assert_half_close(out.get(), expected)
+
+
+# ---------------------------------------------------------------------- embedding
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_embed_tokens(config_name):
+    c = CONFIGS[config_name]
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((c.vocab_size, c.hidden_size), dtype=np.float32).astype(np.float16)
+    ids = np.concatenate([[0, c.vocab_size - 1], rng.integers(0, c.vocab_size, 5)]).astype(np.int32)
+    out = poisoned((len(ids), c.hidden_size), cp.float32)
+    kernel(config_name, "embed_tokens")((len(ids),), (block_threads(c)["embed_tokens"],),
+                                        (cp.asarray(ids), cp.asarray(table), out))
+    np.testing.assert_array_equal(out.get(), ops.embed(ids, table))
+
+
+# ---------------------------------------------------------------------- INT4 GEMV
+
+GEMV_CASES = [  # config, kernel, what, rows (N), bias
+    ("7b", "gemv_int4_from_hidden", "q|k|v fused", 4608, True),
+    ("7b", "gemv_int4_from_hidden", "q", 3584, True),
+    ("7b", "gemv_int4_from_hidden", "k", 512, True),
+    ("7b", "gemv_int4_from_q_dim", "o", 3584, False),
+    ("7b", "gemv_int4_from_intermediate", "down", 3584, False),
+    ("odd", "gemv_int4_from_hidden", "q|k|v fused", 640, True),
+    ("odd", "gemv_int4_from_hidden", "rows not a multiple of 16", 1000, True),
+    ("odd", "gemv_int4_from_q_dim", "o", 384, False),
+    ("odd", "gemv_int4_from_intermediate", "down, rows not a multiple of 16", 390, False),
+]
+IN_FEATURES = {"gemv_int4_from_hidden": "hidden_size", "gemv_int4_from_q_dim": "q_dim",
+               "gemv_int4_from_intermediate": "intermediate_size"}
+
+
+@pytest.mark.parametrize("split_choice", ["one", "backend", "one group each"])
+@pytest.mark.parametrize("case", GEMV_CASES, ids=[f"{c[0]}-{c[2]}" for c in GEMV_CASES])
+def test_gemv_int4_partials(case, split_choice):
+    config_name, name, _, n, has_bias = case
+    c = CONFIGS[config_name]
+    k = getattr(c, IN_FEATURES[name])
+    rng = np.random.default_rng([n, k, len(split_choice)])
+    qweight, scales = random_int4(rng, n, k)
+    bias = rng.standard_normal(n, dtype=np.float32).astype(np.float16) * np.float16(0.1) if has_bias else None
+    x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+    splits = {"one": 1, "backend": gemv_splits(n, k, num_sms()), "one group each": k // 128}[split_choice]
+    partials = poisoned((splits, n), cp.float32)
+    units = -(-n // TILE_ROWS) * splits
+    kernel(config_name, name)(
+        (units,), (GEMV_THREADS,),
+        (cp.asarray(qweight), cp.asarray(scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
+         partials, np.int32(n), np.int32(splits)),
+    )
+    partials = partials.get()
+    assert np.isfinite(partials).all(), f"{(~np.isfinite(partials)).sum()} partial sums not written"
+    y = partials.sum(axis=0, dtype=np.float64)
+    rows = checked_rows(rng, n)
+    expected, bound = int4_reference(qweight, scales, bias, x, rows)
+    error = np.abs(y[rows] - expected)
+    assert (error <= DOT_RTOL * bound + 1e-6).all(), f"worst error {error.max():.3g}, bound {bound.max():.3g}"
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_gemv_int4_gate_up_silu(config_name):
+    c = CONFIGS[config_name]
+    i, h = c.intermediate_size, c.hidden_size
+    rng = np.random.default_rng(11)
+    qweight, scales = random_int4(rng, 2 * i, h)
+    x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
+    out = poisoned(i, cp.float16)
+    kernel(config_name, "gemv_int4_gate_up_silu")(
+        (-(-i // TILE_ROWS),), (GEMV_THREADS,), (cp.asarray(qweight), cp.asarray(scales), cp.asarray(x), out)
+    )
+    rows = checked_rows(rng, i)
+    gate, gate_bound = int4_reference(qweight, scales, None, x, rows)
+    up, up_bound = int4_reference(qweight, scales, None, x, rows + i)
+    expected = gate / (1 + np.exp(-gate)) * up
+    # the dot products' own error, carried through silu(g) * u (|silu'| < 1.1, |silu(g)| <= |g|)
+    carried = DOT_RTOL * (1.1 * gate_bound * np.abs(up) + np.abs(gate) * up_bound)
+    result = out.get()
+    assert np.isfinite(result.astype(np.float32)).all(), "some outputs not written"
+    assert_half_close(result[rows], expected, extra=carried)
+
+
+@pytest.mark.parametrize("config_name, n, k", [("7b", 512, 3584), ("odd", 640, 384), ("odd", 384, 640)])
+def test_dequantize_int4_to_half(config_name, n, k):
+    rng = np.random.default_rng([n, k])
+    qweight, scales = random_int4(rng, n, k)
+    out = poisoned((n, k), cp.float16)
+    kernel(config_name, "dequantize_int4_to_half")(
+        (13,), (256,), (cp.asarray(qweight), cp.asarray(scales), out, np.int32(n), np.int32(k))
+    )
+    np.testing.assert_array_equal(out.get(), dequantize_int4(qweight, scales).astype(np.float16))
+
+
+# ---------------------------------------------------------------------- RoPE + KV write
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("start, count, num_partials", [(13, 7, 1), (37, 1, 6), (-3, 3, 2)])
+def test_rope_write_kv(config_name, start, count, num_partials):
+    """Positions inside partly filled tail pages, across a page boundary, and near the end of
+    the context (start < 0 counts back from max_position_embeddings)."""
+    c = CONFIGS[config_name]
+    if start < 0:
+        start += c.max_position_embeddings
+    rng = np.random.default_rng([start, count, num_partials])
+    qkv_dim = c.q_dim + 2 * c.kv_dim
+    num_pages = 8
+    positions = np.arange(start, start + count)
+    page_table = rng.integers(0, num_pages, size=positions[-1] // PAGE_SIZE + 1).astype(np.int32)
+    touched = np.unique(positions // PAGE_SIZE)
+    page_table[touched] = rng.choice(num_pages, len(touched), replace=False)
+    partials = rng.standard_normal((num_partials, count, qkv_dim), dtype=np.float32)
+
+    kv_layer = poisoned((num_pages, 2, c.num_kv_heads, PAGE_SIZE, c.head_dim), cp.float16)
+    q_out = poisoned((count, c.q_dim), cp.float32)
+    kernel(config_name, "rope_write_kv")(
+        (count, c.num_heads + c.num_kv_heads), (block_threads(c)["rope_write_kv"],),
+        (cp.asarray(partials), np.int32(num_partials), np.int32(count * qkv_dim), cp.asarray([start], dtype=cp.int32),
+         cp.asarray(ops.rope_inv_freq(c.head_dim, c.rope_theta)), cp.asarray(page_table), kv_layer, q_out),
+    )
+    qkv = partials.sum(axis=0)
+    q = qkv[:, : c.q_dim].reshape(count, c.num_heads, c.head_dim)
+    k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(count, c.num_kv_heads, c.head_dim)
+    v = qkv[:, c.q_dim + c.kv_dim :].reshape(count, c.num_kv_heads, c.head_dim)
+    expected_q = ops.apply_rope(q, positions, c.rope_theta).reshape(count, c.q_dim)
+    np.testing.assert_allclose(q_out.get(), expected_q, rtol=1e-5, atol=1e-5 * np.abs(expected_q).max())
+
+    expected_kv = np.full((1, *kv_layer.shape), np.nan, dtype=np.float16)
+    ops.write_kv(expected_kv, 0, ops.apply_rope(k, positions, c.rope_theta), v, positions, page_table)
+    result = kv_layer.get()
+    written = ~np.isnan(expected_kv[0])
+    np.testing.assert_array_equal(~np.isnan(result), written, err_msg="K/V written outside the token's slots")
+    assert_half_close(result[written], expected_kv[0][written])
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_silu_mul_rows(config_name):
+    c = CONFIGS[config_name]
+    rng = np.random.default_rng(5)
+    rows = 3
+    gate_up = 3 * rng.standard_normal((rows, 2 * c.intermediate_size), dtype=np.float32)
+    out = poisoned((rows, c.intermediate_size), cp.float16)
+    kernel(config_name, "silu_mul_rows")((7,), (256,), (cp.asarray(gate_up), out, np.int32(rows)))
+    expected = ops.silu_mul(gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :])
+    assert_half_close(out.get(), expected)
+
+
+# ---------------------------------------------------------------------- lm_head + argmax
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("grid", ["persistent", "7 blocks"])
+def test_lm_head_and_greedy_argmax(config_name, grid):
+    c = CONFIGS[config_name]
+    v, h = c.vocab_size, c.hidden_size
+    rng = np.random.default_rng([v, len(grid)])
+    weight = (0.02 * cp.random.standard_normal((v, h), dtype=cp.float32)).astype(cp.float16)
+    x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
+    # Plant a clear winner, and an identical row at a smaller id: the tie must go to it.
+    winner, twin = int(rng.integers(v // 2, v)), int(rng.integers(0, v // 2))
+    weight[winner] = cp.asarray((0.05 * x).astype(np.float16))
+    weight[twin] = weight[winner]
+    lm_head = kernel(config_name, "lm_head_logits")
+    blocks = persistent_blocks(lm_head, LM_HEAD_THREADS, num_sms()) if grid == "persistent" else 7
+    logits = poisoned(v, cp.float32)
+    values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
+    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
+    state = cp.asarray([123, 40, 41, 5, 6, 7], dtype=cp.int32)
+    kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state))
+
+    result = logits.get()
+    assert np.isfinite(result).all(), f"{(~np.isfinite(result)).sum()} logits not written"
+    rows = checked_rows(rng, v)
+    w = weight[cp.asarray(rows)].get().astype(np.float64)
+    expected, bound = w @ x.astype(np.float64), np.abs(w) @ np.abs(x.astype(np.float64))
+    assert (np.abs(result[rows] - expected) <= DOT_RTOL * bound + 1e-6).all()
+    assert result[twin] == result[winner]
+    np.testing.assert_array_equal(state.get(), [twin, 41, 42, 5, 6, 7])
+    assert int(np.argmax(result)) == twin
+
+
+# ---------------------------------------------------------------------- the backend
+
+
+class OracleAttention:
+    """TEST-ONLY stand-in for nanoqwen.cuda_attention.PagedAttention: copies q and the layer's
+    cache to the host and runs ops_numpy.paged_attention. It synchronises with the host, so a
+    decode step that uses it cannot be captured in a CUDA graph; it allocates no device memory."""
+
+    launches_per_decode = 0
+
+    def __init__(self, config: ModelConfig, num_pages: int, max_seq_len: int):
+        self.config = config
+
+    def _attend(self, q, kv_layer, page_table, positions, out, stream):
+        c = self.config
+        q = q.get(stream=stream).reshape(len(positions), c.num_heads, c.head_dim)
+        result = ops.paged_attention(q, kv_layer.get(stream=stream)[None], 0, page_table.get(stream=stream), positions)
+        out.set(result.reshape(out.shape).astype(np.float16), stream=stream)
+
+    def decode(self, q, kv_layer, page_table, seq_len, out, stream=None):
+        stream = stream or cp.cuda.get_current_stream()
+        position = int(seq_len.get(stream=stream)[0]) - 1
+        self._attend(q, kv_layer, page_table, np.array([position]), out, stream)
+
+    def prefill(self, q, kv_layer, page_table, start_pos, num_tokens, out):
+        self._attend(q, kv_layer, page_table, np.arange(start_pos, start_pos + num_tokens), out,
+                     cp.cuda.get_current_stream())
+
+
+def attention_factory():
+    try:
+        from nanoqwen.cuda_attention import PagedAttention
+    except ModuleNotFoundError:
+        return OracleAttention
+    return PagedAttention
+
+
+ATTENTION = attention_factory()
+TINY_MODELS = {
+    "tiny": {},  # nanoqwen.testing.DEFAULT_CONFIG: hidden 128, head_dim 32, GQA 2:1
+    "odd": dict(hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64, vocab_size=1000),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny_model(request, tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import nanoqwen
+    from nanoqwen.testing import make_nanoqwen
+
+    path = make_nanoqwen(tmp_path_factory.mktemp(request.param), seed=3, tokenizer=False, **TINY_MODELS[request.param])
+    return nanoqwen.load(path)
+
+
+def make_backends(model, num_pages: int):
+    from nanoqwen.backend_numpy import NumpyBackend
+
+    gpu = CudaBackend(model, num_pages, attention_factory=ATTENTION)
+    gpu.kv_pool.fill(cp.nan)  # attention must read only rows its sequence wrote
+    cp.cuda.Device().synchronize()  # the fill ran on the default stream, the backend uses its own
+    reference = NumpyBackend(model, num_pages)
+    reference.kv_pool[...] = np.nan
+    return gpu, reference
+
+
+def assert_logits_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Within 1% of the largest logit. The two backends differ only by rounding (prefill also
+    by its fp16 weight expansion), which moves logits by ~1e-3 of their scale; an error in a
+    kernel or its plumbing moves them by O(1)."""
+    assert np.isfinite(actual).all()
+    error = np.abs(actual - expected).max()
+    assert error <= 1e-2 * np.abs(expected).max(), f"max logit error {error:.3g}"
+
+
+def test_backend_matches_numpy_backend(tiny_model):
+    c = tiny_model.config
+    rng = np.random.default_rng(1)
+    num_pages = 12
+    gpu, reference = make_backends(tiny_model, num_pages)
+    page_table = rng.permutation(num_pages)[:6].astype(np.int32)  # 96 positions, pages out of order
+    prompt = rng.integers(0, c.vocab_size, 21)
+    expected = reference.prefill(prompt, 0, page_table)
+    assert_logits_close(gpu.prefill(prompt, 0, page_table), expected)
+    token = int(np.argmax(expected))
+    for position in range(21, 35):  # fills page 1's tail, crosses into page 2
+        logits = gpu.decode(token, position, page_table)
+        expected = reference.decode(token, position, page_table)
+        assert_logits_close(logits, expected)
+        assert int(gpu.token.get()[0]) == int(np.argmax(logits)), "device argmax differs from the logits'"
+        token = int(np.argmax(expected))
+    # A second prefill that continues the sequence (chunked prompt, multi-turn chat).
+    more = rng.integers(0, c.vocab_size, 9)
+    assert_logits_close(gpu.prefill(more, 35, page_table), reference.prefill(more, 35, page_table))
+    cached, expected_cache = gpu.kv_pool.get(), reference.kv_pool
+    np.testing.assert_array_equal(np.isnan(cached), np.isnan(expected_cache), err_msg="cache rows written differ")
+    written = ~np.isnan(expected_cache)
+    np.testing.assert_allclose(cached[written], expected_cache[written], rtol=2e-2, atol=2e-2)
+
+
+def test_device_advanced_steps_match_host_driven_steps(tiny_model):
+    c = tiny_model.config
+    rng = np.random.default_rng(2)
+    gpu, _ = make_backends(tiny_model, 8)
+    page_table = rng.permutation(8)[:4].astype(np.int32)
+    prompt = rng.integers(0, c.vocab_size, 14)
+    first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
+    host_driven, token = [], first
+    for position in range(14, 20):
+        token = gpu.decode_greedy(token, position, page_table)
+        host_driven.append(token)
+
+    gpu.prefill(prompt, 0, page_table)
+    gpu.set_step_inputs(first, 14, page_table)
+    pool = cp.get_default_memory_pool()
+    used = pool.used_bytes()
+    device_driven = []
+    for _ in range(6):
+        assert gpu.decode_step_launches(gpu.stream) == gpu.launches_per_token
+        device_driven.append(int(gpu.token.get(stream=gpu.stream)[0]))
+    assert pool.used_bytes() == used, "a decode step allocated device memory"
+    assert device_driven == host_driven
+    np.testing.assert_array_equal(gpu.state[:3].get(), [host_driven[-1], 20, 21])
+
+
+def test_decode_step_replays_as_a_cuda_graph(tiny_model):
+    if ATTENTION is OracleAttention:
+        pytest.skip("nanoqwen.cuda_attention is missing; the test-only oracle attention cannot be captured")
+    c = tiny_model.config
+    rng = np.random.default_rng(4)
+    gpu, _ = make_backends(tiny_model, 8)
+    page_table = rng.permutation(8)[:4].astype(np.int32)
+    prompt = rng.integers(0, c.vocab_size, 9)
+    first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
+    eager = [gpu.decode_greedy(first, 9, page_table)]
+    for position in range(10, 14):
+        eager.append(gpu.decode_greedy(eager[-1], position, page_table))
+
+    stream = gpu.stream
+    with stream:
+        stream.begin_capture()
+        gpu.decode_step_launches(stream)
+        graph = stream.end_capture()
+    gpu.set_step_inputs(first, 9, page_table)
+    replayed = []
+    for _ in range(5):
+        graph.launch(stream)
+        replayed.append(int(gpu.token.get(stream=stream)[0]))
+    assert replayed == eager
+
+
+def test_bad_inputs_are_refused(tiny_model):
+    gpu, _ = make_backends(tiny_model, 4)
+    page_table = np.arange(4, dtype=np.int32)
+    with pytest.raises(ValueError, match="token ids"):
+        gpu.decode(tiny_model.config.vocab_size, 0, page_table)
+    with pytest.raises(ValueError, match="need 2 pages"):
+        gpu.decode(1, 16, page_table[:1])
+    with pytest.raises(ValueError, match="ids outside"):
+        gpu.prefill(np.array([1, 2]), 0, np.array([0, 9], dtype=np.int32))
+    with pytest.raises(ValueError, match="outside 0"):
+        gpu.decode(1, 4 * PAGE_SIZE, page_table)

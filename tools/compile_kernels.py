@@ -1,0 +1,89 @@
+"""Compile every kernel in kernels/ with plain nvcc for sm_90a and the 7B's dimensions, and
+write ptxas's register/spill report.
+
+This is CI's check that the CUDA sources build, on a machine with nvcc and no GPU: the
+engine compiles the same files at run time through NVRTC (nanoqwen/cuda_build.py), with
+the same -D constants, which are all a kernel file may rely on. It fails on any compiler error and on any register spill, since a
+kernel that spills in its hot loop is slower than its byte count promises.
+
+    python tools/compile_kernels.py                      # writes results/ptxas-report.txt
+    python tools/compile_kernels.py --report /tmp/r.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen import cuda_build  # noqa: E402
+from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+
+ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+USAGE = re.compile(r"Used (\d+) registers")
+SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """One record per kernel: name, registers, stack frame, spill store/load bytes."""
+    kernels, current = [], None
+    for line in log.splitlines():
+        if m := ENTRY.search(line):
+            current = {"kernel": m.group(1), "registers": None, "stack": 0, "spill_stores": 0, "spill_loads": 0}
+            kernels.append(current)
+        elif current is not None and (m := SPILLS.search(line)):
+            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+        elif current is not None and (m := USAGE.search(line)):
+            current["registers"] = int(m.group(1))
+    return kernels
+
+
+def compile_all(report: Path) -> int:
+    config = QWEN25_CODER_7B
+    folder = cuda_build.kernel_dir()
+    sources = sorted(folder.glob("*.cu"))
+    lines = [
+        "ptxas resource report: every kernel in kernels/ for sm_90a, Qwen2.5-Coder-7B dimensions",
+        "command: python tools/compile_kernels.py",
+        f"defines: {' '.join(cuda_build.define_options(cuda_build.kernel_defines(config)))}",
+        "",
+        f"{'file':<24} {'kernel':<40} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9}",
+    ]
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for source in sources:
+            command = cuda_build.nvcc_command(config, source, Path(tmp) / f"{source.stem}.cubin")
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                failures.append(f"{source.name}: nvcc failed\n{result.stdout}{result.stderr}")
+                lines.append(f"{source.name:<24} COMPILE ERROR")
+                continue
+            for k in parse_ptxas(result.stdout + result.stderr):
+                lines.append(
+                    f"{source.name:<24} {k['kernel']:<40} {k['registers']:>5} {k['stack']:>6} "
+                    f"{k['spill_stores']:>9} {k['spill_loads']:>9}"
+                )
+                if k["spill_stores"] or k["spill_loads"]:
+                    failures.append(f"{source.name}: {k['kernel']} spills registers")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", type=Path, default=REPO / "results" / "ptxas-report.txt")
+    return compile_all(parser.parse_args(argv).report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
