@@ -152,7 +152,7 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", nargs="?", help=f"a .nanoqwen file (default: the shipped nano-coder)")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="a .nanoqwen file (default: the shipped nano-coder)")
     p.add_argument("prompt", metavar="PROMPT", help="the prompt; '-' reads it from stdin")
     _sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")

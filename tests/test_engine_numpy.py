@@ -365,3 +365,14 @@ def test_backend_checks_its_page_table(engine):
         engine.backend.decode(1, PAGE_SIZE, np.array([0], np.int32))  # position 16 needs a 2nd page
     with pytest.raises(ValueError, match="outside"):
         engine.backend.prefill(np.array([1, 2]), 0, np.array([engine.backend.num_pages], np.int32))
+
+
+def test_a_full_pool_is_a_generation_error(model):
+    engine = Engine(model, backend="numpy", max_context=3 * PAGE_SIZE)  # a pool of 3 pages
+    first = engine.stream([1] * 20, max_new_tokens=10)  # holds 2 pages once started
+    next(first)
+    with pytest.raises(GenerationError, match="KV cache full: asked for 2 pages"):
+        next(engine.stream([2] * 20, max_new_tokens=10))
+    first.close()
+    assert all_pages_free(engine)
+    assert len(engine.generate([2] * 20, max_new_tokens=10, stop_token_ids=[]).token_ids) == 10
