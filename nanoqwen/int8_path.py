@@ -138,12 +138,12 @@ def synthetic_activations(in_features: int, rng: np.random.Generator, outlier_ch
 def synthetic_projection(out_features: int, in_features: int, rng: np.random.Generator,
                          bias: bool = False) -> tuple[Int4Linear, np.ndarray]:
     """A random INT4 projection and the fp32 weights it was quantized from. Weights are
-    Student-t (3 degrees of freedom: heavy tails, like trained weights) scaled by
-    1/sqrt(in_features), with a per-row gain."""
+    Student-t with 5 degrees of freedom (tails somewhat heavier than a Gaussian's, as in
+    trained weights) over sqrt(in_features), with a lognormal gain per row."""
     from .quant import quantize_int4
 
     row_gain = rng.lognormal(0.0, 0.3, (out_features, 1))
-    weight = (rng.standard_t(3, (out_features, in_features)) * row_gain / np.sqrt(in_features)).astype(np.float32)
+    weight = (rng.standard_t(5, (out_features, in_features)) * row_gain / np.sqrt(in_features)).astype(np.float32)
     qweight, scales = quantize_int4(weight)
     b = (rng.standard_normal(out_features) * 0.1).astype(np.float16) if bias else None
     return Int4Linear(qweight, scales, b), weight
@@ -197,8 +197,10 @@ class Int8Gemv:
     def __init__(self, config: ModelConfig, qweight, scales, bias=None):
         import cupy
 
-        _check_gpu_array("qweight", qweight, cupy.uint32, 2)
+        _check_gpu_array("qweight", qweight, cupy.uint32, 2, alignment=16)
         out_features, words = qweight.shape
+        if out_features == 0:
+            raise ValueError("qweight has no rows")
         in_features = words * 8
         suffix = width_name(config, in_features)
         _check_gpu_array("scales", scales, cupy.float16, 2)
@@ -225,7 +227,7 @@ class Int8Gemv:
         """x fp16 [K] -> self.xq, self.xscale."""
         import cupy
 
-        _check_gpu_array("x", x, cupy.float16, 1)
+        _check_gpu_array("x", x, cupy.float16, 1, alignment=8)
         if x.shape != (self.in_features,):
             raise ValueError(f"x must be [{self.in_features}], got {x.shape}")
         self._quantize_kernel(self._quantize_grid, (QUANT_THREADS,), (x, self.xq, self.xscale))
@@ -249,7 +251,9 @@ class Int8Gemv:
         return out
 
 
-def _check_gpu_array(name: str, array, dtype, ndim: int) -> None:
+def _check_gpu_array(name: str, array, dtype, ndim: int, alignment: int = 4) -> None:
+    """A C-contiguous cupy array of this dtype and rank, starting on an `alignment`-byte
+    boundary (the kernels read qweight 16 and x 8 bytes at a time)."""
     import cupy
 
     if not isinstance(array, cupy.ndarray):
@@ -258,3 +262,5 @@ def _check_gpu_array(name: str, array, dtype, ndim: int) -> None:
         raise ValueError(f"{name} must be a {ndim}-D {np.dtype(dtype).name} array, got {array.dtype} {array.shape}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous: the kernels index raw memory")
+    if array.data.ptr % alignment:
+        raise ValueError(f"{name} must start on a {alignment}-byte boundary (the kernels load {alignment} bytes at once)")

@@ -336,3 +336,5 @@ def test_launcher_rejects_bad_arrays():
         gemv(cupy.zeros(640, cupy.float16), cupy.zeros(17, cupy.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
         gemv(cupy.zeros(1280, cupy.float16)[::2], cupy.zeros(16, cupy.float32))
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        gemv(cupy.zeros(641, cupy.float16)[1:], cupy.zeros(16, cupy.float32))
