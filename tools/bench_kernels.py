@@ -1,0 +1,216 @@
+"""Bandwidth of the decode kernels at Qwen2.5-Coder-7B's shapes, on the GPU at hand.
+
+Each GEMV of one decoded token reads its weight matrix once, so its floor is bytes / bandwidth.
+For every projection shape (and the fp16 lm_head, and RMSNorm) this script counts the bytes
+the kernel must move, times it with CUDA events and compares the rate with the device-to-device
+copy bandwidth measured in the same run (bytes read + bytes written) and with the 4.49 TB/s
+that a read-only streaming kernel reached on an H200 (notes: hopper-from-python.md).
+
+Timing: after a warm-up, the median over RUNS batches of BATCH back-to-back launches, each
+launch on a different copy of the weights (enough copies to exceed 3x the L2 cache), so no
+launch finds its matrix in L2. Random weights, never zeros.
+
+    PYTHONPATH=. python3 tools/bench_kernels.py --out results/bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen import cuda_build  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, block_threads, gemv_splits, persistent_blocks  # noqa: E402
+from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+
+READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
+RUNS, BATCH = 30, 10
+COPY_BYTES = 2 * 2**30
+BYTE_FLOORS = (
+    "INT4 GEMV N x K: packed weights N*K/2 + fp16 scales N*K/64 + x 2K + fp32 partial sums 4*N*splits "
+    "(+ bias 2N); the fused gate+up reads two N x K matrices and writes N fp16; lm_head V x H: fp16 weights "
+    "2*V*H + x 2H + fp32 logits 4V + one (value, index) per block; add_rmsnorm T x H: residual read and "
+    "written 8TH + partials 4TH each + fp16 out 2TH + weight 2H."
+)
+
+
+def median_launch_seconds(cp, launch, copies: int) -> float:
+    """Median time of one launch; launch(i) runs on copy i % copies of the inputs."""
+    for i in range(3):
+        launch(i % copies)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times, i = [], 0
+    for _ in range(RUNS):
+        start.record()
+        for _ in range(BATCH):
+            launch(i % copies)
+            i += 1
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / BATCH)
+    return float(np.median(times))
+
+
+def copy_bandwidth(cp) -> float:
+    """Device-to-device cudaMemcpy, counting bytes read plus bytes written, in bytes/s."""
+    src = cp.random.random(COPY_BYTES // 8)
+    dst = cp.empty_like(src)
+    stream = cp.cuda.get_current_stream()
+
+    def launch(_):
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    stream.ptr)
+
+    return 2 * src.nbytes / median_launch_seconds(cp, launch, 1)
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    return max(1, -(-3 * l2_bytes // nbytes))
+
+
+def random_words(cp, shape):
+    return (cp.random.random(shape) * 4294967296.0).astype(cp.uint32)
+
+
+def random_scales(cp, shape):
+    return (0.004 + 0.008 * cp.random.random(shape)).astype(cp.float16)
+
+
+def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias):
+    """A split-K INT4 GEMV (or, for kernel gemv_int4_gate_up_silu, the fused gate+up)."""
+    fused = kernel == "gemv_int4_gate_up_silu"
+    rows = 2 * n if fused else n
+    weight_bytes = rows * k // 2 + rows * (k // 128) * 2
+    copies = copies_for(weight_bytes, l2_bytes)
+    qweights = [random_words(cp, (rows, k // 8)) for _ in range(copies)]
+    scales = [random_scales(cp, (rows, k // 128)) for _ in range(copies)]
+    x = (cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
+    function = module.get_function(kernel)
+    if fused:
+        splits, out = 1, cp.empty(n, dtype=cp.float16)
+        grid = -(-n // TILE_ROWS)
+        out_bytes = n * 2
+
+        def launch(i):
+            function((grid,), (GEMV_THREADS,), (qweights[i], scales[i], x, out))
+    else:
+        splits = gemv_splits(n, k, num_sms)
+        out = cp.empty((splits, n), dtype=cp.float32)
+        bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
+        grid = -(-n // TILE_ROWS) * splits
+        out_bytes = splits * n * 4 + (n * 2 if bias else 0)
+
+        def launch(i):
+            function((grid,), (GEMV_THREADS,), (qweights[i], scales[i], NULL if bias_array is None else bias_array, x,
+                                               out, np.int32(n), np.int32(splits)))
+
+    seconds = median_launch_seconds(cp, launch, copies)
+    shape = f"{'2x' if fused else ''}{n}x{k}"
+    return dict(name=name, shape=shape, config=f"split {splits}, {grid} warps", seconds=seconds,
+                bytes=weight_bytes + k * 2 + out_bytes)
+
+
+def bench_lm_head(cp, module, num_sms, config):
+    v, h = config.vocab_size, config.hidden_size
+    weight = (0.02 * cp.random.standard_normal((v, h), dtype=cp.float32)).astype(cp.float16)
+    x = cp.random.standard_normal(h, dtype=cp.float32).astype(cp.float16)
+    function = module.get_function("lm_head_logits")
+    blocks = persistent_blocks(function, LM_HEAD_THREADS, num_sms)
+    logits = cp.empty(v, dtype=cp.float32)
+    values, indices = cp.empty(blocks, dtype=cp.float32), cp.empty(blocks, dtype=cp.int32)
+
+    def launch(_):
+        function((blocks,), (LM_HEAD_THREADS,), (x, weight, logits, values, indices))
+
+    seconds = median_launch_seconds(cp, launch, 1)  # 1.09 GB: far larger than L2 already
+    return dict(name="lm_head (fp16) + argmax stage 1", shape=f"{v}x{h}", config=f"{blocks} blocks x {LM_HEAD_THREADS}",
+                seconds=seconds, bytes=v * h * 2 + h * 2 + v * 4 + blocks * 8)
+
+
+def bench_rmsnorm(cp, module, l2_bytes, config, rows, num_partials):
+    h = config.hidden_size
+    per_copy = rows * h * (4 + 4 * num_partials + 2)
+    copies = copies_for(per_copy, l2_bytes)
+    residuals = [cp.random.standard_normal((rows, h), dtype=cp.float32) for _ in range(copies)]
+    partials = [cp.random.standard_normal((num_partials, rows, h), dtype=cp.float32) for _ in range(copies)]
+    weight = (1 + 0.1 * cp.random.standard_normal(h, dtype=cp.float32)).astype(cp.float16)
+    out = cp.empty((rows, h), dtype=cp.float16)
+    function = module.get_function("add_rmsnorm")
+    threads = block_threads(config)["add_rmsnorm"]
+
+    def launch(i):
+        function((rows,), (threads,), (residuals[i], partials[i], np.int32(num_partials), np.int32(rows * h), weight, out))
+
+    seconds = median_launch_seconds(cp, launch, copies)
+    return dict(name=f"add_rmsnorm, {rows} row{'s' if rows > 1 else ''}, {num_partials} partials",
+                shape=f"{rows}x{h}", config=f"{rows} blocks x {threads}", seconds=seconds,
+                bytes=rows * h * (4 + 4 * num_partials + 4 + 2) + h * 2)
+
+
+def run(out: Path | None) -> list[dict]:
+    import cupy as cp
+
+    config = QWEN25_CODER_7B
+    device = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(device.id)
+    gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    l2_bytes, num_sms = props["l2CacheSize"], props["multiProcessorCount"]
+    module = cuda_build.compile_module(config)
+    copy = copy_bandwidth(cp)
+
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_dim, config.kv_dim
+    results = [
+        bench_gemv(cp, module, l2_bytes, num_sms, "q_proj (+bias)", "gemv_int4_from_hidden", q, h, True),
+        bench_gemv(cp, module, l2_bytes, num_sms, "k_proj (+bias)", "gemv_int4_from_hidden", kv, h, True),
+        bench_gemv(cp, module, l2_bytes, num_sms, "v_proj (+bias)", "gemv_int4_from_hidden", kv, h, True),
+        bench_gemv(cp, module, l2_bytes, num_sms, "fused qkv (+bias)", "gemv_int4_from_hidden", q + 2 * kv, h, True),
+        bench_gemv(cp, module, l2_bytes, num_sms, "o_proj", "gemv_int4_from_q_dim", h, q, False),
+        bench_gemv(cp, module, l2_bytes, num_sms, "gate+up, SwiGLU fused", "gemv_int4_gate_up_silu", i, h, False),
+        bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", h, i, False),
+        bench_lm_head(cp, module, num_sms, config),
+        bench_rmsnorm(cp, module, l2_bytes, config, 1, gemv_splits(h, i, num_sms)),
+        bench_rmsnorm(cp, module, l2_bytes, config, 8192, 1),
+    ]
+    for r in results:
+        r["gbps"] = r["bytes"] / r["seconds"] / 1e9
+        r["of_copy"] = r["bytes"] / r["seconds"] / copy
+        r["of_read_only"] = r["gbps"] / (READ_ONLY_TBPS * 1e3)
+
+    lines = [
+        f"date: {datetime.date.today().isoformat()}; GPU: {gpu_name} ({num_sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB); "
+        f"CuPy {cp.__version__}",
+        "command: PYTHONPATH=. python3 tools/bench_kernels.py",
+        f"device-to-device copy (read + write counted): {copy / 1e12:.2f} TB/s; "
+        f"read-only reference {READ_ONLY_TBPS} TB/s",
+        f"median of {RUNS} batches of {BATCH} back-to-back launches, weights rotated over >= 3x L2",
+        "",
+        "| kernel | shape | launch | median us | bytes (floor) | GB/s | of copy BW | of 4.49 TB/s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r['shape']} | {r['config']} | {r['seconds'] * 1e6:.1f} | {r['bytes'] / 1e6:.2f} MB "
+            f"| {r['gbps']:.0f} | {r['of_copy']:.0%} | {r['of_read_only']:.0%} |"
+        )
+    lines += ["", "Byte floors (each input read once, each output written once): " + BYTE_FLOORS]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out is not None:
+        out.write_text(text)
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
+    run(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()
