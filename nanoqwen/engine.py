@@ -165,7 +165,7 @@ def make_backend(name: str, model: Model, num_pages: int) -> Backend:
         return NumpyBackend(model, num_pages)
     if not cuda_available():
         raise BackendUnavailableError(
-            "backend 'cuda' needs CuPy (pip install 'nanoqwen[cuda13]'), a visible NVIDIA GPU "
+            "backend 'cuda' needs CuPy (pip install 'nanoqwen[cuda12]' or '[cuda13]'), a visible NVIDIA GPU "
             "and nanoqwen.backend_cuda; use --backend numpy to run on the CPU"
         )
     from .backend_cuda import CudaBackend
@@ -177,6 +177,13 @@ class Engine:
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None):
         self._owns_model = not isinstance(model_or_path, Model)
         self.model = load(model_or_path) if self._owns_model else model_or_path
+        try:
+            self._setup(backend, max_context)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, backend: str, max_context: int | None) -> None:
         self.config = self.model.config
         limit = self.config.max_position_embeddings
         if max_context is None:
@@ -209,7 +216,7 @@ class Engine:
                 text = self.tokenizer.chat_prompt(messages)
             else:
                 text = prompt
-            ids = self.tokenizer.encode(text)
+            ids = self._check_token_ids(self.tokenizer.encode(text), "the encoded prompt")
         else:
             if chat or fim_suffix is not None:
                 raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
