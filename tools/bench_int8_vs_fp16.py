@@ -147,7 +147,11 @@ def main() -> int:
         results.append(entry)
         if not entry["a_matches_oracle"]:
             failures.append(f"{name}: Path A differs from its numpy oracle")
-        print(f"# {name}: done in {time.perf_counter() - shape_started:.1f} s", flush=True)
+        t = entry["time_us"]
+        b_part = f", B {t['b']['median']:.2f}" if "b" in t else ", B missing"
+        print(f"# {name}: A quant+GEMV {t['a_total']['median']:.2f} us, A GEMV {t['a_gemv']['median']:.2f} us"
+              f"{b_part}; A error {entry['error']['a']['rel_l2']:.1e}; {time.perf_counter() - shape_started:.1f} s",
+              flush=True)
 
     report = {
         "meta": meta,
@@ -304,18 +308,21 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
         xs = [cp.asarray(x_host) for _ in range(copies)]
         ys = [cp.empty(n, dtype=cp.float32) for _ in range(copies)]
         a = [Int8Gemv(CONFIG, qw[i], sc[i]) for i in range(copies)]
-        b = [PathB(cp, path_b, width, qw[i], sc[i], num_sms) for i in range(copies)] if path_b else None
-        fused = name == "gate+up" and path_b is not None
-        hs = [cp.empty(CONFIG.intermediate_size, dtype=cp.float16) for _ in range(copies)] if fused else None
-    stream.synchronize()
-
-    # Correctness and error first, on copy 0.
-    with stream:
         ys[0].fill(np.nan)
-        a[0](xs[0], ys[0])
-        if b:
-            b[0].partials.fill(np.nan)
-            b[0](xs[0])
+        a[0](xs[0], ys[0])  # correctness and error first, on copy 0
+    b, b_error = None, None
+    if path_b:
+        try:  # a Path B that does not fit this script is reported, not fatal
+            with stream:
+                b = [PathB(cp, path_b, width, qw[i], sc[i], num_sms) for i in range(copies)]
+                b[0].partials.fill(np.nan)
+                b[0](xs[0])
+        except Exception as exc:
+            b, b_error = None, f"{type(exc).__name__}: {exc}"
+            print(f"# {name}: Path B failed: {b_error}", flush=True)
+    fused = name == "gate+up" and b is not None
+    with stream:
+        hs = [cp.empty(CONFIG.intermediate_size, dtype=cp.float16) for _ in range(copies)] if fused else None
     stream.synchronize()
     linear = Int4Linear(qweight, scales, None)
     reference = dequantized_reference(x_host, linear)
@@ -369,6 +376,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
         "copies": copies,
         "calls_per_replay": calls,
         "b_splits": b[0].linear.splits if b else None,
+        "b_error": b_error,
         "bytes": bytes_moved,
         "floor_us_at_copy_bandwidth": (weight_bytes + scale_bytes) / copy["gbps"] / 1e3,
         "time_us": times,
