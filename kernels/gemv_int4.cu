@@ -37,6 +37,10 @@
 constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
 constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread evenly over the SMs
+#ifndef NQ_GEMV_STAGES
+#define NQ_GEMV_STAGES 8  // tools/bench_kernels.py --sweep compiles other depths to compare
+#endif
+constexpr int GEMV_STAGES = NQ_GEMV_STAGES;  // groups in the shared-memory ring: 1 KB per stage and tile
 
 // lop3 with truth table 0xEA computes (a & b) | c.
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
@@ -66,51 +70,87 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], unsigned int a0, unsi
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Asynchronous 16-byte copy global -> shared (sm_80+), kept out of L1, with the same 256-byte
+// L2 prefetch hint as load_weights_16B. Completion is tracked per thread in commit groups.
+__device__ __forceinline__ void copy_async_16B(void* shared_destination, const void* global_source) {
+  const unsigned int destination = (unsigned int)__cvta_generic_to_shared(shared_destination);
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(destination), "l"(global_source) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `PENDING` of this thread's most recent commit groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
 // For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the
 // dot products of rows rows[tile][0] (= row g) and rows[tile][1] (= row g + 8) with x over the
-// groups [group_begin, group_end). BATCH groups are loaded before any is used, so each lane
-// keeps BATCH * TILES * 2 loads of 16 bytes in flight.
-template <int K, int TILES, int BATCH>
+// groups [group_begin, group_end).
+//
+// Keeping the memory busy: the weights of a group travel by cp.async into a ring of STAGES
+// slots in shared memory, STAGES - 1 groups ahead of the one being multiplied, so the warp's
+// loads stay in flight while its tensor cores work (a first version that loaded a batch into
+// registers, then computed, then loaded again, reached only 63% (gate+up) and 44% (down) of
+// the copy bandwidth on an H200: the memory sat idle during every compute phase). Each lane
+// copies exactly the 16-byte pieces it later reads itself, so the lane's own wait_group is
+// the only synchronisation needed. The scales, two bytes per row and group, are too small for
+// cp.async; they are loaded into a register ring the same STAGES - 1 groups ahead, which is
+// why the loop is unrolled by STAGES (register arrays need compile-time indices).
+// One warp per block: the ring is the block's shared memory.
+template <int K, int TILES, int STAGES>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* __restrict__ x, const int (&rows)[TILES][2],
                                               int group_begin, int group_end, float (&acc)[TILES][2]) {
   constexpr int WORDS_PER_ROW = K / 8;
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  const int t = threadIdx.x % 4;
+  __shared__ uint4 ring[STAGES][TILES][2][WARP_SIZE];
+  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
+  const int count = group_end - group_begin;
+  float scale_ring[STAGES][TILES][2];
 
-  for (int first = group_begin; first < group_end; first += BATCH) {
-    uint4 w[BATCH][TILES][2];
-    float s[BATCH][TILES][2];
+  // Start the copy of group number `i` (0-based within the range) into ring slot SLOT.
+#define NQ_FETCH_GROUP(i, SLOT)                                                                           \
+  do {                                                                                                    \
+    const int group = group_begin + (i);                                                                  \
+    _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                          \
+      _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                     \
+        const long long row = rows[tile][r];                                                              \
+        copy_async_16B(&ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
+        scale_ring[SLOT][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));                  \
+      }                                                                                                   \
+    }                                                                                                     \
+  } while (0)
+
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int group = min(first + b, group_end - 1);  // past the end: reload the last group, unused
+  for (int u = 0; u < STAGES - 1; ++u) {
+    if (u < count) NQ_FETCH_GROUP(u, u);
+    copy_async_commit();  // possibly empty: the group count must not depend on the data
+  }
+  for (int first = 0; first < count; first += STAGES) {
 #pragma unroll
-      for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const long long row = rows[tile][r];
-          w[b][tile][r] = load_weights_16B(qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t);
-          s[b][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      if (first + b < group_end) {  // the same for the whole warp
-        const unsigned short* xg = x + (first + b) * NQ_GROUP_SIZE + 32 * t;
-        uint4 xv[4];  // this lane's 32 activations, 8 per word of w
+    for (int u = 0; u < STAGES; ++u) {
+      const int i = first + u;
+      // Refill the slot that iteration i - 1 finished with, STAGES - 1 groups ahead.
+      if (i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES);
+      copy_async_commit();
+      copy_async_wait<STAGES - 1>();  // group i has landed in slot u
+      if (i < count) {  // the same for the whole warp
+        const unsigned short* xg = x + (group_begin + i) * NQ_GROUP_SIZE + 32 * t;
+        uint4 xv[4];  // this lane's 32 activations, 8 per word of the weights
 #pragma unroll
         for (int j = 0; j < 4; ++j) xv[j] = load_activations_16B(xg + 8 * j);
+        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
+                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
+                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
+                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
+          const uint4 w0 = ring[u][tile][0][lane], w1 = ring[u][tile][1][lane];
+          const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          const unsigned int words0[4] = {w[b][tile][0].x, w[b][tile][0].y, w[b][tile][0].z, w[b][tile][0].w};
-          const unsigned int words1[4] = {w[b][tile][1].x, w[b][tile][1].y, w[b][tile][1].z, w[b][tile][1].w};
-          const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
-                                         {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
-                                         {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
-                                         {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
@@ -120,12 +160,13 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
             mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
           }
           // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
-          acc[tile][0] = fmaf(s[b][tile][0], d[0], acc[tile][0]);
-          acc[tile][1] = fmaf(s[b][tile][1], d[2], acc[tile][1]);
+          acc[tile][0] = fmaf(scale_ring[u][tile][0], d[0], acc[tile][0]);
+          acc[tile][1] = fmaf(scale_ring[u][tile][1], d[2], acc[tile][1]);
         }
       }
     }
   }
+#undef NQ_FETCH_GROUP
 }
 
 // Warp `unit` of the grid computes split `unit % splits` of tile `unit / splits` and writes
@@ -148,7 +189,7 @@ __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restric
   // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, 4>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
+  int4_tile_dot<K, 1, GEMV_STAGES>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
   if (lane % 4 == 0) {
     float* out = partials + (long long)split * n_rows;
     const bool add_bias = bias != nullptr && split == 0;
@@ -197,7 +238,7 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, 4>(qweight, scales, x, rows, 0, GROUPS, acc);
+  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
   if (lane % 4 == 0) {
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
     if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);

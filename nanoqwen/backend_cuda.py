@@ -47,10 +47,10 @@ GEMV_THREADS = 32  # one warp per block
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
-# Split K so that each SM gets about this many GEMV warps: at 8 x 16 bytes in flight per lane,
-# 12 warps keep ~48 KB per SM in flight, about what covers the DRAM latency at full bandwidth.
+# Split K so that each SM gets about this many GEMV warps: with 7 groups (7 KB) of weights in
+# flight per warp, 12 warps keep ~84 KB per SM in flight, enough to cover the DRAM latency.
 GEMV_WARPS_PER_SM = 12
-BATCH_GROUPS = 4  # groups a GEMV warp loads at once: a split shorter than this wastes loads
+MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
@@ -90,13 +90,14 @@ def block_threads(config) -> dict[str, int]:
     }
 
 
-def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128) -> int:
-    """Split-K factor for a decode GEMV: enough (tile, split) warps to fill the GPU, while
-    each split keeps at least one full batch of groups."""
+def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128,
+                warps_per_sm: int = GEMV_WARPS_PER_SM) -> int:
+    """Split-K factor for a decode GEMV: about `warps_per_sm` (tile, split) warps per SM, while
+    each split keeps at least MIN_GROUPS_PER_SPLIT groups."""
     tiles = -(-out_features // TILE_ROWS)
     groups = in_features // group_size
-    wanted = -(-GEMV_WARPS_PER_SM * num_sms // tiles)
-    return max(1, min(wanted, groups // BATCH_GROUPS))
+    wanted = -(-warps_per_sm * num_sms // tiles)
+    return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT))
 
 
 def persistent_blocks(kernel, threads: int, num_sms: int) -> int:

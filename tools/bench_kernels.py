@@ -6,9 +6,11 @@ the kernel must move, times it with CUDA events and compares the rate with the d
 copy bandwidth measured in the same run (bytes read + bytes written) and with the 4.49 TB/s
 that a read-only streaming kernel reached on an H200 (notes: hopper-from-python.md).
 
-Timing: after a warm-up, the median over RUNS batches of BATCH back-to-back launches, each
-launch on a different copy of the weights (enough copies to exceed 3x the L2 cache), so no
-launch finds its matrix in L2. Random weights, never zeros.
+Timing: after a warm-up, the median over RUNS replays of a CUDA graph holding max(BATCH,
+copies) launches, each on a different copy of the weights (enough copies to exceed 3x the L2
+cache), so no launch finds its matrix in L2 and no launch waits for the host. The time per
+launch therefore includes the ~1 µs gap between consecutive kernels of a graph, as in the
+engine's captured decode step. Random weights, never zeros.
 
     PYTHONPATH=. python3 tools/bench_kernels.py --out results/bench.md
 """
@@ -41,19 +43,29 @@ BYTE_FLOORS = (
 
 
 def median_launch_seconds(cp, launch, copies: int) -> float:
-    """Median time of one launch; launch(i) runs on copy i % copies of the inputs."""
-    for i in range(3):
-        launch(i % copies)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times, i = [], 0
-    for _ in range(RUNS):
-        start.record()
-        for _ in range(BATCH):
+    """Median time of one launch. launch(i) runs on copy i % copies of the inputs; max(BATCH,
+    copies) launches are captured in one CUDA graph, so the host's launch cost (several µs per
+    launch from Python, more than a small GEMV takes) stays out of the timing, as in the
+    engine's captured decode step."""
+    launches = max(BATCH, copies)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(3):
             launch(i % copies)
-            i += 1
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / BATCH)
+        stream.begin_capture()
+        for i in range(launches):
+            launch(i % copies)
+        graph = stream.end_capture()
+        graph.upload(stream)
+        graph.launch(stream)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(RUNS):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / launches)
     return float(np.median(times))
 
 
@@ -61,11 +73,10 @@ def copy_bandwidth(cp) -> float:
     """Device-to-device cudaMemcpy, counting bytes read plus bytes written, in bytes/s."""
     src = cp.random.random(COPY_BYTES // 8)
     dst = cp.empty_like(src)
-    stream = cp.cuda.get_current_stream()
 
     def launch(_):
         cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                    stream.ptr)
+                                    cp.cuda.get_current_stream().ptr)
 
     return 2 * src.nbytes / median_launch_seconds(cp, launch, 1)
 
@@ -82,7 +93,7 @@ def random_scales(cp, shape):
     return (0.004 + 0.008 * cp.random.random(shape)).astype(cp.float16)
 
 
-def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias):
+def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_per_sm=None):
     """A split-K INT4 GEMV (or, for kernel gemv_int4_gate_up_silu, the fused gate+up)."""
     fused = kernel == "gemv_int4_gate_up_silu"
     rows = 2 * n if fused else n
@@ -100,7 +111,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias):
         def launch(i):
             function((grid,), (GEMV_THREADS,), (qweights[i], scales[i], x, out))
     else:
-        splits = gemv_splits(n, k, num_sms)
+        splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
         out = cp.empty((splits, n), dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
         grid = -(-n // TILE_ROWS) * splits
@@ -153,7 +164,28 @@ def bench_rmsnorm(cp, module, l2_bytes, config, rows, num_partials):
                 bytes=rows * h * (4 + 4 * num_partials + 4 + 2) + h * 2)
 
 
-def run(out: Path | None) -> list[dict]:
+def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
+    """The INT4 GEMV's two tuning knobs on the shapes that carry the bytes: the depth of the
+    copy ring (compile time) and the split-K target in warps per SM (launch time)."""
+    h, i = config.hidden_size, config.intermediate_size
+    lines = ["| ring stages | warps/SM target | gate+up us | down us | fused qkv us | o us | regs (gate+up, down) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for stages in (4, 8, 12):
+        module = cuda_build.compile_module(config, extra_defines={"NQ_GEMV_STAGES": str(stages)})
+        regs = (module.get_function("gemv_int4_gate_up_silu").num_regs,
+                module.get_function("gemv_int4_from_intermediate").num_regs)
+        gate_up = bench_gemv(cp, module, l2_bytes, num_sms, "", "gemv_int4_gate_up_silu", i, h, False)["seconds"]
+        for target in (8, 12, 20):
+            times = [bench_gemv(cp, module, l2_bytes, num_sms, "", kernel, n, k, bias, target)["seconds"]
+                     for kernel, n, k, bias in (("gemv_int4_from_intermediate", h, i, False),
+                                                ("gemv_int4_from_hidden", config.q_dim + 2 * config.kv_dim, h, True),
+                                                ("gemv_int4_from_q_dim", h, config.q_dim, False))]
+            lines.append(f"| {stages} | {target} | {gate_up * 1e6:.1f} | " + " | ".join(f"{t * 1e6:.1f}" for t in times)
+                         + f" | {regs} |")
+    return lines
+
+
+def run(out: Path | None, with_sweep: bool = False) -> list[dict]:
     import cupy as cp
 
     config = QWEN25_CODER_7B
@@ -188,7 +220,7 @@ def run(out: Path | None) -> list[dict]:
         "command: PYTHONPATH=. python3 tools/bench_kernels.py",
         f"device-to-device copy (read + write counted): {copy / 1e12:.2f} TB/s; "
         f"read-only reference {READ_ONLY_TBPS} TB/s",
-        f"median of {RUNS} batches of {BATCH} back-to-back launches, weights rotated over >= 3x L2",
+        f"median of {RUNS} replays of a CUDA graph of max({BATCH}, copies) launches, inputs rotated over >= 3x L2",
         "",
         "| kernel | shape | launch | median us | bytes (floor) | GB/s | of copy BW | of 4.49 TB/s |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -199,6 +231,9 @@ def run(out: Path | None) -> list[dict]:
             f"| {r['gbps']:.0f} | {r['of_copy']:.0%} | {r['of_read_only']:.0%} |"
         )
     lines += ["", "Byte floors (each input read once, each output written once): " + BYTE_FLOORS]
+    if with_sweep:
+        lines += ["", "INT4 GEMV tuning sweep (median us per launch, same timing):", ""]
+        lines += sweep(cp, l2_bytes, num_sms, config)
     text = "\n".join(lines) + "\n"
     print(text)
     if out is not None:
@@ -209,7 +244,9 @@ def run(out: Path | None) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
-    run(parser.parse_args(argv).out)
+    parser.add_argument("--sweep", action="store_true", help="also time other ring depths and split-K targets")
+    args = parser.parse_args(argv)
+    run(args.out, args.sweep)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     if not args.skip_bench:
         code, output, seconds = run_logged(
-            [sys.executable, "tools/bench_kernels.py", "--out", str(args.out / "bench.md")], args.out / "bench.log", env=env,
+            [sys.executable, "tools/bench_kernels.py", "--sweep", "--out", str(args.out / "bench.md")], args.out / "bench.log", env=env,
             timeout=120,
         )
         summary.append(("tools/bench_kernels.py", f"exit {code}", f"{seconds:.0f} s"))
