@@ -1,0 +1,196 @@
+"""Paged attention on the GPU: the launch side of kernels/paged_attention.cu.
+
+    attention = PagedAttention(config, num_pages, max_seq_len)
+    attention.decode(q, kv_pool[layer], page_table, seq_len, out)            # one new token
+    attention.prefill(q, kv_pool[layer], page_table, start_pos, num_tokens, out)
+
+Shapes (H = num_heads, D = head_dim, KVH = num_kv_heads, P = pages in the pool):
+
+    q           decode: fp32 [H*D]          prefill: fp32 [T, H*D]   (RoPE already applied)
+    kv_layer    fp16 [P, 2, KVH, 16, D]     one layer of the pool (a view, not a copy)
+    page_table  int32 [pages of the sequence]
+    seq_len     int32 [1] in device memory: positions to attend to, the new token included
+    out         decode: fp16 [H*D]          prefill: fp16 [T, H*D]
+
+`decode` takes the sequence length from device memory and launches a grid sized for
+`max_seq_len`, so its launch never changes from one step to the next and a CUDA graph captured
+once replays it for every token. The oracle is `nanoqwen.ops_numpy.paged_attention`.
+
+Nothing here imports CuPy until a kernel is built, so the planning helpers run on any machine.
+"""
+
+from __future__ import annotations
+
+from . import cuda_build
+from .config import PAGE_SIZE, ModelConfig
+
+__all__ = ["PagedAttention", "BrokenPagedAttention", "decode_splits", "split_pages", "check_config"]
+
+KERNEL_FILE = "paged_attention.cu"
+BROKEN_KERNEL_FILE = "paged_attention_broken.cu"
+DECODE_BLOCKS_PER_SM = 2  # the decode kernel's __launch_bounds__ minimum
+PREFILL_TOKENS = 16  # query rows per prefill block (kernels/paged_attention.cu PREFILL_TOKENS)
+
+
+def check_config(config: ModelConfig) -> None:
+    """Refuse shapes the kernels are not built for, naming the reason."""
+    if config.head_dim % 32 or config.head_dim > 128:
+        raise ValueError(f"paged attention needs head_dim a multiple of 32 up to 128, got {config.head_dim}")
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(f"num_heads={config.num_heads} is not a multiple of num_kv_heads={config.num_kv_heads}")
+
+
+def decode_splits(num_kv_heads: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> int:
+    """Blocks per KV head of the decode grid: enough that KVH x splits blocks fill every SM
+    `blocks_per_sm` times over, but never more than the longest sequence has pages."""
+    max_pages = -(-max_seq_len // PAGE_SIZE)
+    return max(1, min(max_pages, -(-blocks_per_sm * num_sms // num_kv_heads)))
+
+
+def split_pages(seq_len: int, splits: int) -> list[tuple[int, int]]:
+    """(first page, page count) of each block that has work, as the decode kernel divides a
+    sequence of `seq_len` positions among `splits` blocks: equal runs of whole pages."""
+    num_pages = -(-seq_len // PAGE_SIZE)
+    if num_pages == 0:
+        return []
+    per_split = -(-num_pages // splits)
+    return [(first, min(per_split, num_pages - first)) for first in range(0, num_pages, per_split)]
+
+
+class PagedAttention:
+    """Decode and prefill attention for one model shape, compiled at construction."""
+
+    launches_per_decode = 1  # the last block of each KV head combines the splits in place
+    kernel_file = KERNEL_FILE
+    decode_kernel = "paged_attention_decode"
+
+    def __init__(self, config: ModelConfig, num_pages: int, max_seq_len: int, splits: int | None = None):
+        import cupy as cp
+
+        check_config(config)
+        for name, value in (("num_pages", num_pages), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.config = config
+        self.num_pages = num_pages
+        self.max_seq_len = max_seq_len
+        self.gqa = config.num_heads // config.num_kv_heads
+        module = cuda_build.compile_module(config, files=(self.kernel_file,))
+        self._decode = module.get_function(self.decode_kernel)
+        self._prefill = module.get_function("paged_attention_prefill")
+
+        def device_int(name: str) -> int:
+            return int(cp.ndarray((1,), cp.int32, memptr=module.get_global(name)).get()[0])
+
+        self.decode_threads = device_int("paged_attention_decode_threads")
+        self.decode_smem = device_int("paged_attention_decode_smem_bytes")
+        self.prefill_threads = device_int("paged_attention_prefill_threads")
+        self.prefill_smem = device_int("paged_attention_prefill_smem_bytes")
+        self._decode.max_dynamic_shared_size_bytes = self.decode_smem
+        self._prefill.max_dynamic_shared_size_bytes = self.prefill_smem
+
+        num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.splits = splits or decode_splits(config.num_kv_heads, max_seq_len, num_sms)
+        if not isinstance(self.splits, int) or self.splits <= 0:
+            raise ValueError(f"splits must be a positive integer, got {splits!r}")
+        kvh, d = config.num_kv_heads, config.head_dim
+        # Each split's share: running max and sum per head, and the unnormalized weighted V.
+        self.partial_max_sum = cp.empty((kvh, self.splits, self.gqa, 2), dtype=cp.float32)
+        self.partial_acc = cp.empty((kvh, self.splits, self.gqa, d), dtype=cp.float32)
+        self.arrivals = cp.zeros((kvh,), dtype=cp.uint32)  # the kernel leaves them at 0
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_pool(self, kv_layer) -> None:
+        c = self.config
+        expected = (2, c.num_kv_heads, PAGE_SIZE, c.head_dim)
+        if kv_layer.dtype.name != "float16" or kv_layer.ndim != 5 or tuple(kv_layer.shape[1:]) != expected:
+            raise ValueError(
+                f"kv_layer must be fp16 [pages, {', '.join(map(str, expected))}] (one layer of the pool), "
+                f"got {kv_layer.dtype} {tuple(kv_layer.shape)}"
+            )
+        if not kv_layer.flags.c_contiguous:
+            raise ValueError("kv_layer must be C-contiguous (kv_pool[layer] of a contiguous pool)")
+
+    @staticmethod
+    def _check(name: str, array, dtype: str, shape: tuple) -> None:
+        if array.dtype.name != dtype or tuple(array.shape) != shape or not array.flags.c_contiguous:
+            raise ValueError(f"{name} must be a contiguous {dtype} array of shape {shape}, got {array.dtype} {tuple(array.shape)}")
+
+    # ------------------------------------------------------------------ launches
+
+    def decode(self, q, kv_layer, page_table, seq_len, out, stream=None) -> None:
+        """Attention of one new token over the `seq_len[0]` cached positions (its own included).
+
+        Launch configuration and arguments do not depend on the sequence length: capture-safe.
+        """
+        import cupy as cp
+
+        q_dim = self.config.q_dim
+        self._check("q", q, "float32", (q_dim,))
+        self._check("out", out, "float16", (q_dim,))
+        self._check("seq_len", seq_len, "int32", (1,))
+        self._check_pool(kv_layer)
+        if page_table.dtype.name != "int32" or page_table.ndim != 1:
+            raise ValueError(f"page_table must be a 1-D int32 array, got {page_table.dtype} {page_table.shape}")
+        if page_table.shape[0] * PAGE_SIZE < min(self.max_seq_len, self.num_pages * PAGE_SIZE):
+            raise ValueError(
+                f"page_table has {page_table.shape[0]} entries, too few for max_seq_len={self.max_seq_len}: "
+                "the kernel reads the length from device memory and cannot check it"
+            )
+        with stream if stream is not None else cp.cuda.get_current_stream():
+            self._decode(
+                (self.splits, self.config.num_kv_heads), (self.decode_threads,),
+                (q, kv_layer, page_table, seq_len, out, self.partial_max_sum, self.partial_acc, self.arrivals),
+                shared_mem=self.decode_smem,
+            )
+
+    def prefill(self, q, kv_layer, page_table, start_pos: int, num_tokens: int, out) -> None:
+        """Causal attention of `num_tokens` queries at positions start_pos.. over the cache,
+        whose positions < start_pos + num_tokens hold K and V already."""
+        import numpy as np
+
+        for name, value in (("start_pos", start_pos), ("num_tokens", num_tokens)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if num_tokens == 0:
+            return
+        q_dim = self.config.q_dim
+        self._check("q", q, "float32", (num_tokens, q_dim))
+        self._check("out", out, "float16", (num_tokens, q_dim))
+        self._check_pool(kv_layer)
+        end = start_pos + num_tokens
+        if end > self.max_seq_len:
+            raise ValueError(f"start_pos + num_tokens = {end} exceeds max_seq_len={self.max_seq_len}")
+        if page_table.dtype.name != "int32" or page_table.ndim != 1 or page_table.shape[0] * PAGE_SIZE < end:
+            raise ValueError(
+                f"page_table must be 1-D int32 with at least {-(-end // PAGE_SIZE)} pages for {end} positions, "
+                f"got {page_table.dtype} {page_table.shape}"
+            )
+        self._prefill(
+            (-(-num_tokens // PREFILL_TOKENS), self.config.num_kv_heads), (self.prefill_threads,),
+            (q, kv_layer, page_table, np.int32(start_pos), np.int32(num_tokens), out),
+            shared_mem=self.prefill_smem,
+        )
+
+    # ------------------------------------------------------------------ accounting
+
+    def decode_kv_bytes(self, seq_len: int) -> int:
+        """Bytes of K and V one decode call must read for one layer: the byte floor."""
+        return -(-seq_len // PAGE_SIZE) * PAGE_SIZE * 2 * self.config.kv_dim * 2
+
+    def prefill_flops(self, start_pos: int, num_tokens: int) -> float:
+        """Multiply-adds x 2 of QK^T and PV over the visible (causal) positions."""
+        visible = sum(start_pos + t + 1 for t in range(num_tokens))
+        return 4.0 * self.config.num_heads * self.config.head_dim * visible
+
+
+class BrokenPagedAttention(PagedAttention):
+    """The same launches with kernels/paged_attention_broken.cu's decode: a race, on purpose.
+
+    For tools/gpu_check_attention.py and chapter 5 only; the engine never builds it.
+    """
+
+    kernel_file = BROKEN_KERNEL_FILE
+    decode_kernel = "paged_attention_decode_broken"
+
