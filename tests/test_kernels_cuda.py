@@ -11,9 +11,10 @@ ones (hidden 384, intermediate 640, vocab 1000, rows not a multiple of 16). Tole
   may differ from numpy's in its last bits and round to the neighbouring half;
 * values that only move or add (embedding, residual, dequantization): exact or 1e-6.
 
-Attention is not this file's subject. When nanoqwen.cuda_attention is missing, the backend
-tests use `OracleAttention`, a TEST-ONLY stand-in that copies the cache to the host and runs
-ops_numpy.paged_attention (it synchronises, so the graph test then skips).
+Attention is not this file's subject. The backend tests run once with `OracleAttention`, a
+TEST-ONLY stand-in that copies the cache to the host and runs ops_numpy.paged_attention (it
+synchronises, so it cannot be captured in a graph), and once with nanoqwen.cuda_attention's
+PagedAttention when that module exists; the graph test needs the latter.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, CudaBackend, block_threads, gemv_splits,
-    persistent_blocks,
+    persistent_blocks, tile_int4,
 )
 
 ODD = ModelConfig(
@@ -94,6 +95,25 @@ def random_int4(rng, out_features: int, in_features: int):
     qweight = rng.integers(0, 2**32, size=(out_features, in_features // 8), dtype=np.uint32)
     scales = (0.004 + 0.008 * rng.random((out_features, in_features // 128))).astype(np.float16)
     return qweight, scales
+
+
+def tiled_on_device(qweight, scales):
+    """The GEMV kernels read the layout the backend uploads (tile_int4)."""
+    tiled_qweight, tiled_scales = tile_int4(qweight, scales)
+    return cp.asarray(tiled_qweight), cp.asarray(tiled_scales)
+
+
+def test_tile_int4_layout():
+    """Block (tile, group) holds, for lane 4g + t, words 4t..4t+3 of the group in rows g, g + 8."""
+    rng = np.random.default_rng(3)
+    qweight, scales = random_int4(rng, 40, 384)  # 40 rows: the last tile is half padding
+    tiled, tiled_scales = tile_int4(qweight, scales)
+    assert tiled.shape == (3, 3, 2, 32, 4) and tiled_scales.shape == (3, 3, 16)
+    for tile, group, r, lane in [(0, 0, 0, 0), (1, 2, 1, 13), (2, 1, 0, 31), (2, 0, 1, 5)]:
+        row, t = 16 * tile + 8 * r + lane // 4, lane % 4
+        expected = qweight[row, 16 * group + 4 * t : 16 * group + 4 * t + 4] if row < 40 else [0x88888888] * 4
+        np.testing.assert_array_equal(tiled[tile, group, r, lane], expected)
+        assert tiled_scales[tile, group, 8 * r + lane // 4] == (scales[row, group] if row < 40 else 0)
 
 
 def checked_rows(rng, n: int) -> np.ndarray:
@@ -173,7 +193,7 @@ def test_gemv_int4_partials(case, split_choice):
     units = -(-n // TILE_ROWS) * splits
     kernel(config_name, name)(
         (units,), (GEMV_THREADS,),
-        (cp.asarray(qweight), cp.asarray(scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
+        (*tiled_on_device(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
          partials, np.int32(n), np.int32(splits)),
     )
     partials = partials.get()
@@ -194,7 +214,7 @@ def test_gemv_int4_gate_up_silu(config_name):
     x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
     out = poisoned(i, cp.float16)
     kernel(config_name, "gemv_int4_gate_up_silu")(
-        (-(-i // TILE_ROWS),), (GEMV_THREADS,), (cp.asarray(qweight), cp.asarray(scales), cp.asarray(x), out)
+        (-(-i // TILE_ROWS),), (GEMV_THREADS,), (*tiled_on_device(qweight, scales), cp.asarray(x), out)
     )
     rows = checked_rows(rng, i)
     gate, gate_bound = int4_reference(qweight, scales, None, x, rows)
@@ -207,13 +227,13 @@ def test_gemv_int4_gate_up_silu(config_name):
     assert_half_close(result[rows], expected, extra=carried)
 
 
-@pytest.mark.parametrize("config_name, n, k", [("7b", 512, 3584), ("odd", 640, 384), ("odd", 384, 640)])
+@pytest.mark.parametrize("config_name, n, k", [("7b", 512, 3584), ("odd", 640, 384), ("odd", 390, 640)])
 def test_dequantize_int4_to_half(config_name, n, k):
     rng = np.random.default_rng([n, k])
     qweight, scales = random_int4(rng, n, k)
     out = poisoned((n, k), cp.float16)
     kernel(config_name, "dequantize_int4_to_half")(
-        (13,), (256,), (cp.asarray(qweight), cp.asarray(scales), out, np.int32(n), np.int32(k))
+        (13,), (256,), (*tiled_on_device(qweight, scales), out, np.int32(n), np.int32(k))
     )
     np.testing.assert_array_equal(out.get(), dequantize_int4(qweight, scales).astype(np.float16))
 
@@ -336,14 +356,21 @@ class OracleAttention:
 
 
 def attention_factory():
+    """The real paged attention when nanoqwen.cuda_attention exists, else the oracle."""
+    return ATTENTIONS.get("paged", OracleAttention)
+
+
+def _attentions() -> dict:
+    found = {"oracle": OracleAttention}
     try:
         from nanoqwen.cuda_attention import PagedAttention
     except ModuleNotFoundError:
-        return OracleAttention
-    return PagedAttention
+        return found
+    return {**found, "paged": PagedAttention}
 
 
-ATTENTION = attention_factory()
+# The backend tests run with each: a failure under "paged" only points at attention's kernels.
+ATTENTIONS = _attentions()
 TINY_MODELS = {
     "tiny": {},  # nanoqwen.testing.DEFAULT_CONFIG: hidden 128, head_dim 32, GQA 2:1
     "odd": dict(hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64, vocab_size=1000),
@@ -361,10 +388,15 @@ def tiny_model(request, tmp_path_factory):
     return nanoqwen.load(path)
 
 
-def make_backends(model, num_pages: int):
+@pytest.fixture(params=sorted(ATTENTIONS))
+def attention(request):
+    return ATTENTIONS[request.param]
+
+
+def make_backends(model, num_pages: int, attention):
     from nanoqwen.backend_numpy import NumpyBackend
 
-    gpu = CudaBackend(model, num_pages, attention_factory=ATTENTION)
+    gpu = CudaBackend(model, num_pages, attention_factory=attention)
     gpu.kv_pool.fill(cp.nan)  # attention must read only rows its sequence wrote
     cp.cuda.Device().synchronize()  # the fill ran on the default stream, the backend uses its own
     reference = NumpyBackend(model, num_pages)
@@ -381,11 +413,11 @@ def assert_logits_close(actual: np.ndarray, expected: np.ndarray) -> None:
     assert error <= 1e-2 * np.abs(expected).max(), f"max logit error {error:.3g}"
 
 
-def test_backend_matches_numpy_backend(tiny_model):
+def test_backend_matches_numpy_backend(tiny_model, attention):
     c = tiny_model.config
     rng = np.random.default_rng(1)
     num_pages = 12
-    gpu, reference = make_backends(tiny_model, num_pages)
+    gpu, reference = make_backends(tiny_model, num_pages, attention)
     page_table = rng.permutation(num_pages)[:6].astype(np.int32)  # 96 positions, pages out of order
     prompt = rng.integers(0, c.vocab_size, 21)
     expected = reference.prefill(prompt, 0, page_table)
@@ -406,10 +438,10 @@ def test_backend_matches_numpy_backend(tiny_model):
     np.testing.assert_allclose(cached[written], expected_cache[written], rtol=2e-2, atol=2e-2)
 
 
-def test_device_advanced_steps_match_host_driven_steps(tiny_model):
+def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):
     c = tiny_model.config
     rng = np.random.default_rng(2)
-    gpu, _ = make_backends(tiny_model, 8)
+    gpu, _ = make_backends(tiny_model, 8, attention)
     page_table = rng.permutation(8)[:4].astype(np.int32)
     prompt = rng.integers(0, c.vocab_size, 14)
     first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
@@ -432,11 +464,11 @@ def test_device_advanced_steps_match_host_driven_steps(tiny_model):
 
 
 def test_decode_step_replays_as_a_cuda_graph(tiny_model):
-    if ATTENTION is OracleAttention:
+    if "paged" not in ATTENTIONS:
         pytest.skip("nanoqwen.cuda_attention is missing; the test-only oracle attention cannot be captured")
     c = tiny_model.config
     rng = np.random.default_rng(4)
-    gpu, _ = make_backends(tiny_model, 8)
+    gpu, _ = make_backends(tiny_model, 8, ATTENTIONS["paged"])
     page_table = rng.permutation(8)[:4].astype(np.int32)
     prompt = rng.integers(0, c.vocab_size, 9)
     first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
@@ -458,7 +490,7 @@ def test_decode_step_replays_as_a_cuda_graph(tiny_model):
 
 
 def test_bad_inputs_are_refused(tiny_model):
-    gpu, _ = make_backends(tiny_model, 4)
+    gpu, _ = make_backends(tiny_model, 4, OracleAttention)
     page_table = np.arange(4, dtype=np.int32)
     with pytest.raises(ValueError, match="token ids"):
         gpu.decode(tiny_model.config.vocab_size, 0, page_table)

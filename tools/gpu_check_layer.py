@@ -57,7 +57,7 @@ def chapter_script(chapter: Path) -> str:
     return "\n\n".join(cells) + "\n"
 
 
-def exercise(model_path: str) -> None:
+def exercise(model_path: str, attention_name: str) -> None:
     """Prefill and decode a small model once with the CUDA backend (the memcheck target)."""
     import cupy as cp
     import numpy as np
@@ -66,11 +66,11 @@ def exercise(model_path: str) -> None:
     from nanoqwen.backend_cuda import CudaBackend
 
     sys.path.insert(0, str(REPO / "tests"))
-    from test_kernels_cuda import attention_factory
+    from test_kernels_cuda import ATTENTIONS
 
     cp.cuda.set_allocator(None)  # one cudaMalloc per array: memcheck sees every array's bounds
     model = nanoqwen.load(model_path)
-    backend = CudaBackend(model, 6, attention_factory=attention_factory())
+    backend = CudaBackend(model, 6, attention_factory=ATTENTIONS[attention_name])
     page_table = np.array([4, 1, 5, 0], dtype=np.int32)
     rng = np.random.default_rng(0)
     logits = backend.prefill(rng.integers(0, model.config.vocab_size, 19), 0, page_table)
@@ -84,13 +84,13 @@ def exercise(model_path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--exercise", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--exercise", nargs=2, metavar=("MODEL", "ATTENTION"), help=argparse.SUPPRESS)
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--pytest-timeout", type=int, default=170, help="seconds")
+    parser.add_argument("--pytest-timeout", type=int, default=200, help="seconds")
     parser.add_argument("--memcheck-timeout", type=int, default=90, help="seconds")
     args = parser.parse_args(argv)
     if args.exercise:
-        exercise(args.exercise)
+        exercise(*args.exercise)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
@@ -122,20 +122,25 @@ def main(argv=None) -> int:
 
     from nanoqwen.testing import make_nanoqwen
 
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_kernels_cuda import ATTENTIONS
+
     with tempfile.TemporaryDirectory() as tmp:
         model = make_nanoqwen(tmp, seed=5, tokenizer=False, hidden_size=384, intermediate_size=640, num_heads=6,
                               num_kv_heads=2, head_dim=64, vocab_size=1000)
-        code, output, seconds = run_logged(
-            [shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer", "--tool", "memcheck",
-             sys.executable, __file__, "--exercise", str(model)],
-            args.out / "memcheck.log", env=env, timeout=args.memcheck_timeout,
-        )
-    errors = re.findall(r"ERROR SUMMARY: (\d+) error", output)
-    exercised = re.findall(r"exercised: .*", output)
-    print(output.strip().splitlines()[-3:] if output.strip() else "memcheck: no output")
-    summary.append(("compute-sanitizer memcheck",
-                    f"exit {code}, {errors[-1] if errors else '?'} errors; {exercised[-1] if exercised else 'did not finish'}",
-                    f"{seconds:.0f} s"))
+        # The oracle attention first: this file's kernels are the subject; then the real one.
+        for attention in sorted(ATTENTIONS):
+            code, output, seconds = run_logged(
+                [shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer", "--tool", "memcheck",
+                 sys.executable, __file__, "--exercise", str(model), attention],
+                args.out / f"memcheck-{attention}.log", env=env, timeout=args.memcheck_timeout,
+            )
+            errors = re.findall(r"ERROR SUMMARY: (\d+) error", output)
+            exercised = re.findall(r"exercised: .*", output)
+            print(output.strip().splitlines()[-3:] if output.strip() else "memcheck: no output")
+            summary.append((f"compute-sanitizer memcheck, {attention} attention",
+                            f"exit {code}, {errors[-1] if errors else '?'} errors; "
+                            f"{exercised[-1] if exercised else 'did not finish'}", f"{seconds:.0f} s"))
 
     chapter = REPO / "chapters" / "04_norms.md"
     if (REPO / "results" / "kernels-h200.md").exists():
