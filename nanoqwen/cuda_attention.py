@@ -21,10 +21,20 @@ Nothing here imports CuPy until a kernel is built, so the planning helpers run o
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import cuda_build
 from .config import PAGE_SIZE, ModelConfig
 
-__all__ = ["PagedAttention", "BrokenPagedAttention", "decode_splits", "split_pages", "check_config"]
+__all__ = [
+    "BrokenPagedAttention",
+    "PagedAttention",
+    "check_config",
+    "decode_splits",
+    "random_paged_cache",
+    "relative_error",
+    "split_pages",
+]
 
 KERNEL_FILE = "paged_attention.cu"
 BROKEN_KERNEL_FILE = "paged_attention_broken.cu"
@@ -148,8 +158,6 @@ class PagedAttention:
     def prefill(self, q, kv_layer, page_table, start_pos: int, num_tokens: int, out) -> None:
         """Causal attention of `num_tokens` queries at positions start_pos.. over the cache,
         whose positions < start_pos + num_tokens hold K and V already."""
-        import numpy as np
-
         for name, value in (("start_pos", start_pos), ("num_tokens", num_tokens)):
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -194,3 +202,36 @@ class BrokenPagedAttention(PagedAttention):
     kernel_file = BROKEN_KERNEL_FILE
     decode_kernel = "paged_attention_decode_broken"
 
+
+
+# ---------------------------------------------------------------------- checking helpers
+
+
+def random_paged_cache(config: ModelConfig, seq_len: int, rng: np.random.Generator, spare_pages: int = 3):
+    """A one-layer pool fp16 [1, P, 2, KVH, 16, D] holding a sequence of `seq_len` random
+    positions under a shuffled page table, and that table (int32).
+
+    Every row the sequence does not own (the tail page's last rows, `spare_pages` pages no
+    table names) is NaN: a kernel that reads past the sequence or through a wrong page id
+    turns its output into NaN instead of a plausible number.
+    """
+    pages = -(-seq_len // PAGE_SIZE)
+    total = pages + spare_pages
+    shape = (1, total, 2, config.num_kv_heads, PAGE_SIZE, config.head_dim)
+    pool = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+    table = rng.permutation(total)[:pages].astype(np.int32)
+    unused = np.setdiff1d(np.arange(total), table)
+    pool[0, unused] = np.nan
+    tail_rows = pages * PAGE_SIZE - seq_len
+    if tail_rows:
+        pool[0, table[-1], :, :, PAGE_SIZE - tail_rows :, :] = np.nan
+    return pool, table
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """||out - ref|| / ||ref|| in float64; infinite if `out` holds a NaN or infinity."""
+    out = np.asarray(out, dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

@@ -1,0 +1,165 @@
+"""Paged attention kernels (kernels/paged_attention.cu) against the numpy oracle.
+
+The planning helpers run everywhere; the kernels need CuPy and a GPU (marked `gpu`, skipped
+otherwise). tools/gpu_check_attention.py runs the longer lengths, the broken kernel, the
+sanitizers and the timings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen import ops_numpy
+from nanoqwen.config import PAGE_SIZE, ModelConfig
+from nanoqwen.cuda_attention import check_config, decode_splits, random_paged_cache, relative_error, split_pages
+from nanoqwen.random_model import QWEN25_CODER_7B
+
+
+def shape(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
+    hidden = max(128, -(-num_heads * head_dim // 128) * 128)
+    return ModelConfig(num_layers=1, hidden_size=hidden, intermediate_size=256, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=256, max_position_embeddings=4096,
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+SHAPES = [QWEN25_CODER_7B, shape(4, 2, 64), shape(4, 2, 32), shape(8, 1, 96), shape(2, 2, 64)]
+SHAPE_IDS = ["7b-28-4-d128", "4-2-d64", "4-2-d32", "8-1-d96", "mha-2-2-d64"]
+
+
+# ---------------------------------------------------------------------------- everywhere
+
+
+def test_split_pages_cover_the_sequence_once():
+    for seq_len in (1, 15, 16, 17, 640, 4097, 32768):
+        for splits in (1, 3, 66, 5000):
+            ranges = split_pages(seq_len, splits)
+            assert len(ranges) <= splits
+            pages = [p for first, count in ranges for p in range(first, first + count)]
+            assert pages == list(range(-(-seq_len // PAGE_SIZE)))
+            assert all(count > 0 for _, count in ranges)
+
+
+def test_decode_grid_fills_the_gpu_but_never_exceeds_the_pages():
+    assert decode_splits(num_kv_heads=4, max_seq_len=32768, num_sms=132) * 4 >= 2 * 132
+    assert decode_splits(num_kv_heads=4, max_seq_len=20, num_sms=132) == 2  # two pages at most
+    assert decode_splits(num_kv_heads=64, max_seq_len=32768, num_sms=132) >= 1
+
+
+def test_unsupported_shapes_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="head_dim"):
+        check_config(shape(8, 2, 48))
+    with pytest.raises(ValueError, match="head_dim"):
+        check_config(shape(2, 1, 256))
+
+
+def test_random_cache_poisons_every_row_the_sequence_does_not_own():
+    config = shape(4, 2, 32)
+    pool, table = random_paged_cache(config, 17, np.random.default_rng(0))
+    assert len(table) == 2 and len(set(table.tolist())) == 2
+    k, v = ops_numpy.gather_kv(pool, 0, table, 17)
+    assert np.isfinite(k).all() and np.isfinite(v).all()
+    assert np.isnan(pool[0, table[1], :, :, 1:]).all()  # the tail page past position 16
+    spare = np.setdiff1d(np.arange(pool.shape[1]), table)
+    assert np.isnan(pool[0, spare]).all()
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        pytest.skip(f"no CUDA device: {e}")
+    return cupy
+
+
+def run_decode(cp, attention, config, seq_len, rng):
+    pool, table = random_paged_cache(config, seq_len, rng)
+    q = (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
+    table_d = cp.full(-(-attention.max_seq_len // PAGE_SIZE), -1, dtype=cp.int32)
+    table_d[: len(table)] = cp.asarray(table)
+    out = cp.full(config.q_dim, np.nan, dtype=cp.float16)  # poisoned: every element must be written
+    attention.decode(cp.asarray(q), cp.asarray(pool[0]), table_d, cp.asarray(np.array([seq_len], np.int32)), out)
+    ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+                                    np.array([seq_len - 1]))
+    return relative_error(out.get(), ref.reshape(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SHAPES, ids=SHAPE_IDS)
+def test_decode_matches_the_oracle(cp, config):
+    from nanoqwen.cuda_attention import PagedAttention
+
+    rng = np.random.default_rng(1)
+    grid_for_long = PagedAttention(config, num_pages=300, max_seq_len=4096)
+    one_block = PagedAttention(config, num_pages=300, max_seq_len=4096, splits=1)
+    for seq_len in (1, 15, 16, 17, 33, 640, 2049):
+        for attention in (grid_for_long, one_block):
+            err = run_decode(cp, attention, config, seq_len, rng)
+            assert err < 2e-3, (seq_len, attention.splits, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("start_pos,num_tokens", [(0, 1), (0, 17), (0, 200), (37, 5), (500, 64)])
+def test_prefill_matches_the_oracle(cp, config, start_pos, num_tokens):
+    from nanoqwen.cuda_attention import PagedAttention
+
+    rng = np.random.default_rng(start_pos * 1000 + num_tokens)
+    attention = PagedAttention(config, num_pages=300, max_seq_len=4096)
+    end = start_pos + num_tokens
+    pool, table = random_paged_cache(config, end, rng)
+    q = (2.0 * rng.standard_normal((num_tokens, config.q_dim))).astype(np.float32)
+    out = cp.full((num_tokens, config.q_dim), np.nan, dtype=cp.float16)
+    attention.prefill(cp.asarray(q), cp.asarray(pool[0]), cp.asarray(table), start_pos, num_tokens, out)
+    ref = ops_numpy.paged_attention(q.reshape(num_tokens, config.num_heads, config.head_dim), pool, 0, table,
+                                    start_pos + np.arange(num_tokens))
+    assert relative_error(out.get(), ref.reshape(num_tokens, -1)) < 3e-3
+
+
+@pytest.mark.gpu
+def test_one_captured_graph_serves_every_length(cp):
+    from nanoqwen.cuda_attention import PagedAttention
+
+    config = QWEN25_CODER_7B
+    rng = np.random.default_rng(5)
+    attention = PagedAttention(config, num_pages=300, max_seq_len=4096)
+    pool, table = random_paged_cache(config, 1000, rng)
+    table_d = cp.full(4096 // PAGE_SIZE, -1, dtype=cp.int32)
+    table_d[: len(table)] = cp.asarray(table)
+    kv, q = cp.asarray(pool[0]), (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
+    q_d, seq_len, out = cp.asarray(q), cp.zeros(1, cp.int32), cp.empty(config.q_dim, cp.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        attention.decode(q_d, kv, table_d, seq_len, out, stream=stream)
+        graph = stream.end_capture()
+        for n in (1, 17, 999, 64):
+            seq_len.set(np.array([n], np.int32), stream=stream)
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+                                            np.array([n - 1]))
+            assert relative_error(out.get(), ref.reshape(-1)) < 2e-3, n
+
+
+@pytest.mark.gpu
+def test_bad_arguments_are_refused(cp):
+    from nanoqwen.cuda_attention import PagedAttention
+
+    config = shape(4, 2, 32)
+    attention = PagedAttention(config, num_pages=8, max_seq_len=128)
+    kv = cp.zeros((8, 2, 2, PAGE_SIZE, 32), cp.float16)
+    table, seq_len = cp.zeros(8, cp.int32), cp.ones(1, cp.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        attention.decode(cp.zeros(128, cp.float16), kv, table, seq_len, cp.zeros(128, cp.float16))
+    with pytest.raises(ValueError, match="kv_layer"):
+        attention.decode(cp.zeros(128, cp.float32), kv[:, :, :1], table, seq_len, cp.zeros(128, cp.float16))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        attention.prefill(cp.zeros((10, 128), cp.float32), kv, table, 120, 10, cp.zeros((10, 128), cp.float16))

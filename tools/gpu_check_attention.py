@@ -1,0 +1,531 @@
+"""Check and time the paged attention kernels on a GPU, and write results/attention-h200.md.
+
+    PYTHONPATH=. python3 tools/gpu_check_attention.py          # everything (~3 minutes on an H200)
+
+Sections, each independent (a failure is recorded and the next one runs):
+
+1. correctness: decode and prefill against nanoqwen.ops_numpy.paged_attention at lengths 1, 15,
+   16, 17, 640, 4096 and 32768, for the 7B's shape (28 query heads, 4 KV heads, head_dim 128)
+   and smaller ones; fresh random data per case, shuffled page tables, NaN in every pool row
+   the sequence does not own, outputs poisoned with NaN before each launch;
+2. one CUDA graph replayed at several sequence lengths (the length lives in device memory);
+3. the broken kernel under stress: many launches on fresh data, tail pages, how often it is
+   wrong (in a subprocess with a time limit, in case the broken barrier hangs);
+4. compute-sanitizer synccheck / racecheck / memcheck on small launches of both kernels;
+5. timing: a device-to-device copy (the byte ceiling), decode attention per layer at 640, 8192
+   and 32768 positions against the time to read that layer's K/V at copy bandwidth, and
+   prefill attention of 512 tokens.
+
+Writes attention-h200.md, attention-h200.json and the sanitizer logs to $OUT (or results/).
+Internal modes, run as subprocesses: --broken-stress, --sanitize {fixed,broken}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen import ops_numpy  # noqa: E402
+from nanoqwen.config import PAGE_SIZE, ModelConfig  # noqa: E402
+from nanoqwen.cuda_attention import (  # noqa: E402
+    BrokenPagedAttention,
+    PagedAttention,
+    random_paged_cache,
+    relative_error,
+)
+from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+
+
+def shape(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int = 32768) -> ModelConfig:
+    q_dim = num_heads * head_dim
+    hidden = max(128, -(-q_dim // 128) * 128)
+    return ModelConfig(num_layers=1, hidden_size=hidden, intermediate_size=256, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=256,
+                       max_position_embeddings=max_len, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True)
+
+
+SHAPES = {
+    "7B 28/4 D128": QWEN25_CODER_7B,
+    "small 4/2 D64": shape(4, 2, 64),
+    "tiny 4/2 D32": shape(4, 2, 32),
+    "8/1 D96": shape(8, 1, 96),
+    "MHA 2/2 D64": shape(2, 2, 64),
+}
+LENGTHS = (1, 15, 16, 17, 640, 4096, 32768)
+SHORT_LENGTHS = (1, 17, 640, 4096)
+DECODE_TOL = 2e-3  # ||out - ref|| / ||ref||; fp16 output rounding alone is ~3e-4
+PREFILL_TOL = 3e-3  # probabilities enter the tensor cores as fp16
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT") or REPO / "results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+# ------------------------------------------------------------------------ correctness
+
+
+def decode_case(cp, attention, config, seq_len, rng, q_std=2.0):
+    pool, table = random_paged_cache(config, seq_len, rng)
+    q = (q_std * rng.standard_normal(config.q_dim)).astype(np.float32)
+    ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+                                    np.array([seq_len - 1])).reshape(-1)
+    table_d = cp.full(-(-attention.max_seq_len // PAGE_SIZE), -1, dtype=cp.int32)  # unused entries: garbage
+    table_d[: len(table)] = cp.asarray(table)
+    out = cp.full(config.q_dim, np.nan, dtype=cp.float16)
+    attention.decode(cp.asarray(q), cp.asarray(pool[0]), table_d, cp.asarray(np.array([seq_len], np.int32)), out)
+    return relative_error(out.get(), ref)
+
+
+def prefill_case(cp, attention, config, start_pos, num_tokens, rng, check_rows=64):
+    end = start_pos + num_tokens
+    pool, table = random_paged_cache(config, end, rng)
+    q = (2.0 * rng.standard_normal((num_tokens, config.q_dim))).astype(np.float32)
+    out = cp.full((num_tokens, config.q_dim), np.nan, dtype=cp.float16)
+    attention.prefill(cp.asarray(q), cp.asarray(pool[0]), cp.asarray(table), start_pos, num_tokens, out)
+    out = out.get()
+    if not np.all(np.isfinite(out)):  # every row, not only the ones compared below
+        return float("inf")
+    rows = np.arange(num_tokens)
+    if num_tokens > check_rows:  # the oracle is O(T^2): compare the ends and a random middle
+        middle = rng.choice(np.arange(8, num_tokens - 8), check_rows - 16, replace=False)
+        rows = np.unique(np.concatenate([rows[:8], middle, rows[-8:]]))
+    ref = ops_numpy.paged_attention(q[rows].reshape(len(rows), config.num_heads, config.head_dim), pool, 0, table,
+                                    start_pos + rows)
+    return relative_error(out[rows], ref.reshape(len(rows), -1))
+
+
+def check_correctness(cp, results):
+    rng = np.random.default_rng(2026)
+    rows = []
+    for name, config in SHAPES.items():
+        lengths = LENGTHS if name.startswith(("7B", "small")) else SHORT_LENGTHS
+        max_len = max(lengths)
+        variants = {"grid for 32K": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len),
+                    "1 split": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len, splits=1),
+                    "3 splits": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len, splits=3)}
+        main = variants["grid for 32K"]
+        for n in lengths:
+            for vname, attention in variants.items():
+                if vname != "grid for 32K" and n > 4096:
+                    continue
+                err = decode_case(cp, attention, config, n, rng)
+                rows.append(dict(shape=name, kernel="decode", case=f"len {n}, {vname} ({attention.splits})", error=err,
+                                 ok=err <= DECODE_TOL))
+            if n <= 4096:
+                err = prefill_case(cp, main, config, 0, n, rng)
+                rows.append(dict(shape=name, kernel="prefill", case=f"0 + {n} tokens", error=err, ok=err <= PREFILL_TOL))
+        for start, count in ((600, 40), (33, 1), (max_len - 512, 512)):
+            err = prefill_case(cp, main, config, start, count, rng)
+            rows.append(dict(shape=name, kernel="prefill", case=f"{start} + {count} tokens", error=err,
+                             ok=err <= PREFILL_TOL))
+        log(f"  {name}: {sum(r['ok'] for r in rows if r['shape'] == name)}/"
+            f"{sum(r['shape'] == name for r in rows)} ok, worst "
+            f"{max(r['error'] for r in rows if r['shape'] == name):.2e}")
+    results["correctness"] = rows
+
+
+def check_graph(cp, results):
+    """Capture one decode launch, then replay it after changing only seq_len in device memory."""
+    config = QWEN25_CODER_7B
+    rng = np.random.default_rng(7)
+    max_len = 4096
+    attention = PagedAttention(config, num_pages=max_len // PAGE_SIZE + 3, max_seq_len=32768)
+    pool, table = random_paged_cache(config, max_len, rng)
+    kv = cp.asarray(pool[0])
+    table_d = cp.full(32768 // PAGE_SIZE, -1, dtype=cp.int32)
+    table_d[: len(table)] = cp.asarray(table)
+    q = (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
+    q_d, seq_len = cp.asarray(q), cp.asarray(np.array([1], np.int32))
+    out = cp.empty(config.q_dim, dtype=cp.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        attention.decode(q_d, kv, table_d, seq_len, out, stream=stream)
+        graph = stream.end_capture()
+    rows = []
+    for n in (17, 1, 640, 4096, 33):
+        with stream:  # the graph runs on `stream`: order the poison and the new length on it too
+            seq_len.set(np.array([n], np.int32), stream=stream)
+            out.fill(np.nan)
+            graph.launch(stream)
+        stream.synchronize()
+        ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+                                        np.array([n - 1])).reshape(-1)
+        err = relative_error(out.get(), ref)
+        rows.append(dict(seq_len=n, error=err, ok=err <= DECODE_TOL))
+    log("  graph replays: " + ", ".join(f"{r['seq_len']}: {r['error']:.1e}" for r in rows))
+    results["graph"] = rows
+
+
+# ------------------------------------------------------------------------ broken kernel
+
+
+def broken_stress(cp, runs: int) -> list[dict]:
+    """Fixed and broken decode on the same fresh data, `runs` times per length; the fixed
+    kernel (checked against the oracle above) is the reference. A second fixed kernel with a
+    different split count runs too: its disagreements would expose a race in the fixed one."""
+    rows = []
+    for name in ("7B 28/4 D128", "small 4/2 D64"):
+        config = SHAPES[name]
+        max_len = 4096
+        fixed = PagedAttention(config, num_pages=max_len // PAGE_SIZE + 8, max_seq_len=max_len)
+        fixed_one = PagedAttention(config, num_pages=max_len // PAGE_SIZE + 8, max_seq_len=max_len, splits=1)
+        broken = BrokenPagedAttention(config, num_pages=max_len // PAGE_SIZE + 8, max_seq_len=max_len)
+        kv = cp.empty((max_len // PAGE_SIZE + 8, 2, config.num_kv_heads, PAGE_SIZE, config.head_dim), cp.float16)
+        seq_len = cp.zeros(1, cp.int32)
+        outs = [cp.empty(config.q_dim, cp.float16) for _ in range(3)]
+        for n in (1, 9, 16, 17, 40, 129, 640, 4096):
+            wrong = wrong_fixed = 0
+            worst = 0.0
+            for _ in range(runs):
+                kv[...] = cp.random.standard_normal(kv.shape, dtype=cp.float32).astype(cp.float16)
+                q = 2.0 * cp.random.standard_normal(config.q_dim, dtype=cp.float32)
+                table = cp.random.permutation(kv.shape[0]).astype(cp.int32)
+                seq_len.fill(n)
+                for out in outs:
+                    out.fill(np.nan)
+                fixed.decode(q, kv, table, seq_len, outs[0])
+                fixed_one.decode(q, kv, table, seq_len, outs[1])
+                broken.decode(q, kv, table, seq_len, outs[2])
+                ref = outs[0].astype(cp.float32)
+                scale = float(cp.linalg.norm(ref))
+                err_b = float(cp.linalg.norm(outs[2].astype(cp.float32) - ref)) / scale
+                err_f = float(cp.linalg.norm(outs[1].astype(cp.float32) - ref)) / scale
+                err_b = err_b if np.isfinite(err_b) else float("inf")
+                wrong += not err_b <= DECODE_TOL
+                wrong_fixed += not err_f <= DECODE_TOL
+                worst = max(worst, err_b)
+            rows.append(dict(shape=name, seq_len=n, runs=runs, broken_wrong=wrong, fixed_disagree=wrong_fixed,
+                             worst_broken_error=worst))
+            log(f"  broken {name} len {n}: wrong {wrong}/{runs}, fixed splits disagree {wrong_fixed}/{runs}")
+    return rows
+
+
+def run_sanitize(cp, which: str) -> None:
+    """Small launches for compute-sanitizer: decode with a tail page and stage reuse, and
+    (fixed only) prefill."""
+    config = QWEN25_CODER_7B
+    rng = np.random.default_rng(3)
+    cls = BrokenPagedAttention if which == "broken" else PagedAttention
+    for seq_len, splits in ((72, 2), (16 * 20 + 5, 1)):
+        attention = cls(config, num_pages=64, max_seq_len=1024, splits=splits)
+        err = decode_case(cp, attention, config, seq_len, rng)
+        print(f"sanitize {which} decode len {seq_len} splits {splits}: error {err:.2e}", flush=True)
+    if which == "fixed":
+        err = prefill_case(cp, PagedAttention(config, num_pages=64, max_seq_len=1024), config, 3, 37, rng)
+        print(f"sanitize fixed prefill 3 + 37: error {err:.2e}", flush=True)
+    cp.cuda.Device().synchronize()
+
+
+def sanitizer_runs(results, folder: Path):
+    """Each tool on each kernel, all at once in subprocesses (each has its own time limit)."""
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    jobs = []
+    for which, tools in (("broken", ("synccheck", "racecheck")), ("fixed", ("synccheck", "racecheck", "memcheck"))):
+        for tool in tools:
+            logfile = folder / f"sanitizer-{tool}-{which}.txt"
+            cmd = [sanitizer, "--tool", tool, "--print-limit", "40", sys.executable, __file__,
+                   "--sanitize", which]
+            jobs.append((which, tool, logfile, subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
+                                                                 cwd=REPO)))
+    rows = []
+    deadline = time.time() + 150
+    for which, tool, logfile, proc in jobs:
+        try:
+            proc.wait(timeout=max(1, deadline - time.time()))
+            status = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            status = "timeout"
+        text = logfile.read_text(errors="replace")
+        summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
+        rows.append(dict(kernel=which, tool=tool, status=status, summary=summary[-1] if summary else "(none)",
+                         log=logfile.name))
+        log(f"  {tool} {which}: {rows[-1]['summary']} (exit {status})")
+    results["sanitizer"] = rows
+
+
+# ------------------------------------------------------------------------ timing
+
+
+def time_graph(cp, launch, count: int, replays: int = 15) -> float:
+    """Median milliseconds per launch: `count` launches captured in one graph, replayed."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        launch(0, stream)  # warm-up outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        for i in range(count):
+            launch(i, stream)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(replays):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / count)
+    return float(np.median(times))
+
+
+def copy_bandwidth(cp) -> dict:
+    nbytes = 2 << 30
+    a = cp.random.random(nbytes // 4, dtype=cp.float32)
+    b = cp.empty_like(a)
+    times = []
+    for i in range(12):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+        stop.record()
+        stop.synchronize()
+        if i >= 2:
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+    ms = float(np.median(times))
+    return dict(bytes_moved=2 * nbytes, ms=ms, tb_per_s=2 * nbytes / ms / 1e9)
+
+
+def time_decode(cp, results, bandwidth):
+    config = QWEN25_CODER_7B
+    rows = []
+    for n in (640, 8192, 32768):
+        attention = PagedAttention(config, num_pages=32768 // PAGE_SIZE, max_seq_len=32768)
+        variants = [("default", attention)]
+        if n == 32768:
+            variants.append(("4 blocks/SM grid", PagedAttention(config, num_pages=32768 // PAGE_SIZE, max_seq_len=32768,
+                                                                 splits=2 * attention.splits)))
+        layer_bytes = attention.decode_kv_bytes(n)
+        rotations = max(4, -(-(512 << 20) // layer_bytes))  # > 8x the 60 MB L2: every launch reads from HBM
+        pages = -(-n // PAGE_SIZE)
+        kv = cp.random.standard_normal((pages * rotations, 2, config.num_kv_heads, PAGE_SIZE, config.head_dim),
+                                       dtype=cp.float32).astype(cp.float16)
+        tables = cp.random.permutation(pages * rotations).astype(cp.int32).reshape(rotations, pages)
+        tables = cp.ascontiguousarray(cp.pad(tables, ((0, 0), (0, 32768 // PAGE_SIZE - pages))))
+        q = cp.random.standard_normal(config.q_dim, dtype=cp.float32)
+        out = cp.empty(config.q_dim, cp.float16)
+        seq_len = cp.asarray(np.array([n], np.int32))
+        for vname, att in variants:
+            ms = time_graph(cp, lambda i, s, att=att: att.decode(q, kv, tables[i % rotations], seq_len, out, stream=s),
+                            count=min(200, 4 * rotations))
+            floor_ms = layer_bytes / (bandwidth["tb_per_s"] * 1e9)
+            rows.append(dict(seq_len=n, variant=vname, splits=att.splits, us=ms * 1e3, kv_bytes=layer_bytes,
+                             floor_us=floor_ms * 1e3, fraction_of_copy_bw=floor_ms / ms))
+            log(f"  decode {n} ({vname}, {att.splits} splits): {ms * 1e3:.2f} us/layer, floor {floor_ms * 1e3:.2f} us "
+                f"({floor_ms / ms:.0%} of copy bandwidth)")
+    results["decode_timing"] = rows
+
+
+def time_prefill(cp, results):
+    config = QWEN25_CODER_7B
+    n = 512
+    attention = PagedAttention(config, num_pages=4096, max_seq_len=32768)
+    pages = n // PAGE_SIZE
+    rotations = 8
+    kv = cp.random.standard_normal((pages * rotations, 2, config.num_kv_heads, PAGE_SIZE, config.head_dim),
+                                   dtype=cp.float32).astype(cp.float16)
+    tables = cp.random.permutation(pages * rotations).astype(cp.int32).reshape(rotations, pages)
+    q = cp.random.standard_normal((n, config.q_dim), dtype=cp.float32)
+    out = cp.empty((n, config.q_dim), cp.float16)
+    ms = time_graph(cp, lambda i, s: attention.prefill(q, kv, tables[i % rotations], 0, n, out), count=40)
+    flops = attention.prefill_flops(0, n)
+    row = dict(tokens=n, us_per_layer=ms * 1e3, ms_28_layers=28 * ms, tflops=flops / ms / 1e9)
+    log(f"  prefill {n}: {ms * 1e3:.1f} us/layer, {28 * ms:.2f} ms for 28 layers, {row['tflops']:.1f} TFLOP/s")
+    results["prefill_timing"] = row
+
+
+# ------------------------------------------------------------------------ report
+
+
+def write_report(results, folder: Path, command: str):
+    bw = results.get("bandwidth", {})
+    lines = [
+        "# Paged attention on the H200",
+        "",
+        f"- date: {results['date']}",
+        f"- GPU: {results.get('gpu', '?')}, driver/runtime {results.get('cuda', '?')}, CuPy {results.get('cupy', '?')}",
+        f"- command: `{command}`",
+        "- kernels: kernels/paged_attention.cu (decode: 1 producer + 4 consumer warps, 8 stages; prefill: mma.sync), "
+        "kernels/paged_attention_broken.cu",
+        "",
+        "## Byte floor",
+        "",
+    ]
+    if bw:
+        lines += [
+            f"Device-to-device copy of {bw['bytes_moved'] / 2**30:.0f} GiB (read + write counted): "
+            f"{bw['ms']:.3f} ms, **{bw['tb_per_s']:.2f} TB/s**. The floor of one decode attention call is "
+            "the layer's K and V bytes (seq_len x 2 x KVH x D x 2 B = 4 KiB per position at the 7B's shape) "
+            "read at that rate.",
+            "",
+        ]
+    if "decode_timing" in results:
+        lines += ["## Decode attention, Qwen2.5-Coder-7B shape (28 query heads, 4 KV heads, D 128), one layer", "",
+                  "CUDA graph of launches rotating over enough page tables that K/V comes from HBM, not L2.", "",
+                  "| positions | grid | K/V bytes | time (us) | floor (us) | fraction of copy bandwidth |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: |"]
+        for r in results["decode_timing"]:
+            lines.append(f"| {r['seq_len']} | {r['variant']}, {r['splits']} splits x 4 | {r['kv_bytes'] / 2**20:.2f} MiB "
+                         f"| {r['us']:.2f} | {r['floor_us']:.2f} | {r['fraction_of_copy_bw']:.0%} |")
+        lines.append("")
+    if "prefill_timing" in results:
+        r = results["prefill_timing"]
+        lines += ["## Prefill attention, 7B shape", "",
+                  f"{r['tokens']} tokens from position 0: **{r['us_per_layer']:.1f} us per layer**, "
+                  f"{r['ms_28_layers']:.2f} ms for all 28 layers ({r['tflops']:.1f} TFLOP/s counting 4 x heads x D "
+                  "x visible pairs).", ""]
+    if "correctness" in results:
+        rows = results["correctness"]
+        lines += ["## Correctness against nanoqwen.ops_numpy.paged_attention", "",
+                  f"{sum(r['ok'] for r in rows)}/{len(rows)} cases pass (decode tolerance {DECODE_TOL}, prefill "
+                  f"{PREFILL_TOL}, relative L2 error; NaN in every unowned pool row, outputs poisoned with NaN).", "",
+                  "| shape | kernel | case | relative error | ok |", "| --- | --- | --- | ---: | --- |"]
+        for r in rows:
+            lines.append(f"| {r['shape']} | {r['kernel']} | {r['case']} | {r['error']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+        lines.append("")
+    if "graph" in results:
+        lines += ["## One CUDA graph, many lengths", "",
+                  "One decode launch captured at seq_len 1, replayed after writing another length into device memory: "
+                  + ", ".join(f"{r['seq_len']}: {r['error']:.1e}" for r in results["graph"]), ""]
+    if "broken_stress" in results:
+        lines += ["## The broken kernel under stress", "",
+                  "Fixed and broken decode on the same fresh random data each run (7B grid for 4096 positions). "
+                  "'wrong' = relative error above the tolerance against the fixed kernel; the last column compares "
+                  "the fixed kernel with a 1-split fixed kernel on the same data.", "",
+                  "| shape | positions | runs | broken wrong | worst broken error | fixed disagreements |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in results["broken_stress"]:
+            lines.append(f"| {r['shape']} | {r['seq_len']} | {r['runs']} | {r['broken_wrong']} | "
+                         f"{r['worst_broken_error']:.2e} | {r['fixed_disagree']} |")
+        lines.append("")
+    if "sanitizer" in results:
+        lines += ["## compute-sanitizer", "", "| kernel | tool | summary | exit |", "| --- | --- | --- | --- |"]
+        for r in results["sanitizer"]:
+            lines.append(f"| {r['kernel']} | {r['tool']} | {r['summary']} | {r['status']} |")
+        lines.append("")
+        for r in results["sanitizer"]:
+            if r["kernel"] == "broken":
+                text = (folder / r["log"]).read_text(errors="replace").splitlines()
+                excerpt = [line for line in text if line.startswith("=========")][:24]
+                lines += [f"Excerpt of `{r['log']}`:", "", "```text", *excerpt, "```", ""]
+    if results.get("failures"):
+        lines += ["## Sections that failed", "", "```text", *results["failures"], "```", ""]
+    (folder / "attention-h200.md").write_text("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--broken-stress", type=int, metavar="RUNS")
+    parser.add_argument("--sanitize", choices=("fixed", "broken"))
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip")
+    args = parser.parse_args()
+    import cupy as cp
+
+    if args.sanitize:
+        run_sanitize(cp, args.sanitize)
+        return
+    folder = out_dir()
+    if args.broken_stress:
+        (folder / "broken-stress.json").write_text(json.dumps(broken_stress(cp, args.broken_stress)))
+        return
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    results = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        gpu=f"{props['name'].decode()} ({props['multiProcessorCount']} SMs)",
+        cuda=f"{cp.cuda.runtime.driverGetVersion()}/{cp.cuda.runtime.runtimeGetVersion()}",
+        cupy=cp.__version__,
+        failures=[],
+    )
+    sections = [
+        ("correctness", lambda: check_correctness(cp, results)),
+        ("graph", lambda: check_graph(cp, results)),
+        ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp))),
+        ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"])),
+        ("prefill_timing", lambda: time_prefill(cp, results)),
+        ("broken_stress", lambda: stress_subprocess(results, folder)),
+        ("sanitizer", lambda: sanitizer_runs(results, folder)),
+    ]
+    for name, section in sections:
+        if name in args.skip:
+            continue
+        log(f"== {name}")
+        started = time.time()
+        try:
+            section()
+        except Exception:
+            results["failures"].append(f"{name}: {traceback.format_exc()}")
+            log(traceback.format_exc())
+        log(f"   ({time.time() - started:.1f} s)")
+        cp.get_default_memory_pool().free_all_blocks()
+    (folder / "attention-h200.json").write_text(json.dumps(results, indent=1, default=str))
+    write_report(results, folder, "PYTHONPATH=. python3 tools/gpu_check_attention.py")
+    print_summary(results)
+
+
+def print_summary(results):
+    """A short table last, so it survives the end of a long log."""
+    print("\n==== summary", results["gpu"], results["date"])
+    if "correctness" in results:
+        rows = results["correctness"]
+        bad = [r for r in rows if not r["ok"]]
+        print(f"correctness: {len(rows) - len(bad)}/{len(rows)} ok; worst {max(r['error'] for r in rows):.2e}")
+        for r in bad[:12]:
+            print("   FAIL", r)
+    if "graph" in results:
+        print("graph:", all(r["ok"] for r in results["graph"]))
+    if "bandwidth" in results:
+        print(f"copy: {results['bandwidth']['tb_per_s']:.2f} TB/s")
+    for r in results.get("decode_timing", []):
+        print(f"decode {r['seq_len']:>6} {r['variant']:<17} {r['us']:8.2f} us  floor {r['floor_us']:7.2f} us  "
+              f"{r['fraction_of_copy_bw']:.0%}")
+    if "prefill_timing" in results:
+        r = results["prefill_timing"]
+        print(f"prefill 512: {r['us_per_layer']:.1f} us/layer, {r['tflops']:.1f} TFLOP/s")
+    for r in results.get("broken_stress", []):
+        print(f"broken {r['shape']:<14} len {r['seq_len']:>5}: wrong {r['broken_wrong']}/{r['runs']}, "
+              f"fixed disagree {r['fixed_disagree']}")
+    for r in results.get("sanitizer", []):
+        print(f"sanitizer {r['tool']:<10} {r['kernel']:<7} {r['summary']} exit {r['status']}")
+    for f in results.get("failures", []):
+        print("FAILED SECTION:", f.splitlines()[0], f.splitlines()[-1])
+
+
+def stress_subprocess(results, folder: Path, runs: int = 200):
+    """The broken kernel runs in its own process: if its barrier hangs the GPU work, only that
+    process is killed."""
+    cmd = [sys.executable, __file__, "--broken-stress", str(runs)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, timeout=120, capture_output=True, text=True)
+        print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
+        results["broken_stress"] = json.loads((folder / "broken-stress.json").read_text())
+    except subprocess.TimeoutExpired:
+        results["failures"].append("broken_stress: timed out after 120 s (the broken kernel hung?)")
+
+
+if __name__ == "__main__":
+    main()
