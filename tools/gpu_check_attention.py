@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -249,7 +250,7 @@ def sanitizer_runs(results, folder: Path):
             jobs.append((which, tool, logfile, subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
                                                                  cwd=REPO)))
     rows = []
-    deadline = time.time() + 150
+    deadline = time.time() + 120
     for which, tool, logfile, proc in jobs:
         try:
             proc.wait(timeout=max(1, deadline - time.time()))
@@ -461,27 +462,43 @@ def main():
         cupy=cp.__version__,
         failures=[],
     )
+    # (name, work, seconds after which a hung kernel is assumed and the run ends with what it has)
     sections = [
-        ("correctness", lambda: check_correctness(cp, results)),
-        ("graph", lambda: check_graph(cp, results)),
-        ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp))),
-        ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"])),
-        ("prefill_timing", lambda: time_prefill(cp, results)),
-        ("broken_stress", lambda: stress_subprocess(results, folder)),
-        ("sanitizer", lambda: sanitizer_runs(results, folder)),
+        ("correctness", lambda: check_correctness(cp, results), 120),
+        ("graph", lambda: check_graph(cp, results), 30),
+        ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp)), 30),
+        ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"]), 60),
+        ("prefill_timing", lambda: time_prefill(cp, results), 30),
+        ("broken_stress", lambda: stress_subprocess(results, folder), 130),
+        ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
     ]
-    for name, section in sections:
+    finish = lambda: finish_run(results, folder)  # noqa: E731
+    for name, section, limit in sections:
         if name in args.skip:
             continue
         log(f"== {name}")
         started = time.time()
+        watchdog = threading.Timer(limit, hung, (results, name, limit, finish))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             section()
         except Exception:
             results["failures"].append(f"{name}: {traceback.format_exc()}")
             log(traceback.format_exc())
+        watchdog.cancel()
         log(f"   ({time.time() - started:.1f} s)")
         cp.get_default_memory_pool().free_all_blocks()
+    finish()
+
+
+def hung(results, name, limit, finish):
+    results["failures"].append(f"{name}: still running after {limit} s (a hung kernel?); run ended here")
+    finish()
+    os._exit(3)
+
+
+def finish_run(results, folder: Path):
     (folder / "attention-h200.json").write_text(json.dumps(results, indent=1, default=str))
     write_report(results, folder, "PYTHONPATH=. python3 tools/gpu_check_attention.py")
     print_summary(results)
