@@ -21,21 +21,11 @@
 //    sum is scaled into the fp32 accumulator with one FMA per row.
 //
 // Thread layout inside a warp (the mma fragment layout): lane = 4 g + t. The warp owns a tile
-// of 16 rows; lane (g, t) multiplies rows g and g + 8, and in each group the t-th 16-byte
-// piece (32 weights: elements 32t .. 32t + 31 of the group). The MMA's k index is free to
-// relabel: lane (g, t) places its pairs at the k slots 2t, 2t+1 (register a0/a1) and 2t+8,
-// 2t+9 (a2/a3) and supplies x for the same slots, identical for every g, which is all a dot
-// product needs.
-//
-// Tiled weights: in the file's row-major layout those pieces are 64 bytes in each of 16
-// rows, so every load instruction of a warp touched 8 rows 1.8 KB or more apart, and the
-// kernel stalled near 2.4 TB/s on an H200 however deep its pipeline (HBM serves long runs
-// far better than many short ones). The backend therefore reorders each matrix once, at
-// upload (nanoqwen.backend_cuda.tile_int4): block (tile, group) holds the tile's 16 x 128
-// weights in exactly the order the lanes read them, [2 halves of the tile][32 lanes][4
-// words], 1 KB; the blocks of a tile follow one another. A warp's load instruction is then
-// 512 contiguous bytes, and a warp's whole share of the matrix one contiguous stream. Scales
-// are tiled alike, [tile][group][16 rows], 32 bytes per block.
+// of 16 rows; lane (g, t) loads rows g and g + 8, and in each group the t-th 16-byte piece
+// (32 weights: elements 32t .. 32t + 31 of the group). Four lanes thus read one row's 64-byte
+// group side by side. The MMA's k index is free to relabel: lane (g, t) places its pairs at
+// the k slots 2t, 2t+1 (register a0/a1) and 2t+8, 2t+9 (a2/a3) and supplies x for the same
+// slots, identical for every g, which is all a dot product needs.
 //
 // Split K: a 16-row tile of a 3584-wide matrix is only 28 KB, and q/k/v/o have too few tiles to
 // give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, one
@@ -95,28 +85,37 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// For each of TILES row tiles (tile numbers in `tiles`, tiled layout above), lane (g, t)
-// accumulates into acc[tile][0] and acc[tile][1] the dot products of the tile's rows g and
-// g + 8 with x over the groups [group_begin, group_end).
+// For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the
+// dot products of rows rows[tile][0] (= row g) and rows[tile][1] (= row g + 8) with x over the
+// groups [group_begin, group_end).
 //
 // Keeping the memory busy: the weights of a group travel by cp.async into a ring of STAGES
 // slots in shared memory, STAGES - 1 groups ahead of the one being multiplied, so the warp's
-// loads stay in flight while its tensor cores work (a first version that loaded a batch into
-// registers, then computed, then loaded again, reached only 63% (gate+up) and 44% (down) of
-// the copy bandwidth on an H200: the memory sat idle during every compute phase). Each lane
-// copies exactly the 16-byte pieces it later reads itself, so the lane's own wait_group is
-// the only synchronisation needed. The scales, two bytes per row and group, are too small for
-// cp.async; they are loaded into a register ring the same STAGES - 1 groups ahead, which is
-// why the loop is unrolled by STAGES (register arrays need compile-time indices).
+// loads stay in flight while its tensor cores work. Each lane copies exactly the 16-byte
+// pieces it later reads itself, so the lane's own wait_group is the only synchronisation
+// needed. The scales, two bytes per row and group, are too small for cp.async; they are
+// loaded into a register ring the same STAGES - 1 groups ahead, which is why the loop is
+// unrolled by STAGES (register arrays need compile-time indices).
+//
+// What the H200 said (results/kernels-h200.md): this ring, a first version that loaded a
+// batch of groups into registers and then computed, and a variant with the weights re-tiled
+// at upload so that every warp read one contiguous stream, all moved gate+up and down at
+// 1.8-2.4 TB/s, 45-60% of a device copy, while the fp16 lm_head streams at 99%. Neither the
+// access pattern nor the ring depth (4, 8, 12) is the limit; the split-K factor, that is the
+// number of warps per SM, matters more (a target of 8 -> 12 warps per SM took down_proj from
+// 20.5 to 18.3 us), and gate+up, which does not split, has only 9. Each warp works through a
+// long dependent chain per group (shared load, unpack, eight MMAs chained on one
+// accumulator); the measurements file lists the next steps.
 // One warp per block: the ring is the block's shared memory.
 template <int K, int TILES, int STAGES>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
-                                              const unsigned short* __restrict__ x, const int (&tiles)[TILES],
+                                              const unsigned short* __restrict__ x, const int (&rows)[TILES][2],
                                               int group_begin, int group_end, float (&acc)[TILES][2]) {
+  constexpr int WORDS_PER_ROW = K / 8;
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
   __shared__ uint4 ring[STAGES][TILES][2][WARP_SIZE];
-  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4, g = lane / 4;
+  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
   float scale_ring[STAGES][TILES][2];
 
@@ -125,10 +124,10 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   do {                                                                                                    \
     const int group = group_begin + (i);                                                                  \
     _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                          \
-      const long long block = (long long)tiles[tile] * GROUPS + group; /* 1 KB of weights, 16 scales */   \
       _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                     \
-        copy_async_16B(&ring[SLOT][tile][r][lane], qweight + (block * 2 + r) * (WARP_SIZE * 4) + 4 * lane); \
-        scale_ring[SLOT][tile][r] = half_to_float(__ldg(scales + (block * 2 + r) * 8 + g));               \
+        const long long row = rows[tile][r];                                                              \
+        copy_async_16B(&ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
+        scale_ring[SLOT][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));                  \
       }                                                                                                   \
     }                                                                                                     \
   } while (0)
@@ -180,9 +179,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 
 // Warp `unit` of the grid computes split `unit % splits` of tile `unit / splits` and writes
 // partials[split][row] for its 16 rows; split 0 adds the bias.
-//   qweight uint32 [ceil(n_rows/16), K/128, 2, 32, 4] and scales fp16 [ceil(n_rows/16), K/128, 16]
-//   (tiled, rows padded to a multiple of 16), bias fp16 [n_rows] or null, x fp16 [K],
-//   partials fp32 [splits, n_rows]
+//   qweight uint32 [n_rows, K/8], scales fp16 [n_rows, K/128], bias fp16 [n_rows] or null,
+//   x fp16 [K], partials fp32 [splits, n_rows]
 template <int K>
 __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restrict__ qweight,
                                                    const unsigned short* __restrict__ scales,
@@ -191,14 +189,15 @@ __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restric
                                                    int n_rows, int splits) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
   const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-  const int num_tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
-  if (unit >= num_tiles * splits) return;
+  const int tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
+  if (unit >= tiles * splits) return;
   const int tile = unit / splits, split = unit % splits;
   const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;  // padding rows are computed, not written
-  const int tiles[1] = {tile};
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
+  const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, GEMV_STAGES>(qweight, scales, x, tiles, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
+  int4_tile_dot<K, 1, GEMV_STAGES>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
   if (lane % 4 == 0) {
     float* out = partials + (long long)split * n_rows;
     const bool add_bias = bias != nullptr && split == 0;
@@ -232,7 +231,7 @@ gemv_int4_from_intermediate(const unsigned int* __restrict__ qweight, const unsi
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
-// qweight/scales hold gate's tiles then up's tiles (tiled as above, 2 I rows); each warp takes
+// qweight/scales hold gate's rows then up's rows ([2 I, H/8] and [2 I, H/128]); each warp takes
 // the same 16 rows of both, over the whole input (silu needs the finished sum: no split).
 // grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
@@ -244,9 +243,10 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   if (tile >= TILES) return;
   const int lane = threadIdx.x % WARP_SIZE;
   const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
-  const int tiles[2] = {tile, TILES + tile};  // gate's tile, up's tile
+  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
+  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, tiles, 0, GROUPS, acc);
+  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
   if (lane % 4 == 0) {
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
     if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
@@ -255,24 +255,18 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a
-// tiled packed matrix (layout above) into a row-major scratch buffer, one word (8 weights,
-// one 16-byte store) per thread. The fp32 product (nibble - 8) * scale is rounded to fp16
-// (relative error <= 2^-11).
-// grid-stride over all words of the tiled matrix; out fp16 [n_rows, in_features] (padding
-// rows are skipped)
+// packed matrix into a scratch buffer, one word (8 weights, one 16-byte store) per thread.
+// The fp32 product (nibble - 8) * scale is rounded to fp16 (relative error <= 2^-11).
+// grid-stride over n_rows * in_features / 8 words; out fp16 [n_rows, in_features]
 extern "C" __global__ void __launch_bounds__(256)
 dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                         uint4* __restrict__ out, int n_rows, int in_features) {
+  const long long words_per_row = in_features / 8;
+  const long long total = (long long)n_rows * words_per_row;
   const int groups = in_features / NQ_GROUP_SIZE;
-  const long long total = (long long)((n_rows + TILE_ROWS - 1) / TILE_ROWS) * groups * 2 * WARP_SIZE * 4;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const long long half_block = i / (WARP_SIZE * 4);  // (tile * groups + group) * 2 + r
-    const int lane = (int)(i % (WARP_SIZE * 4)) / 4, word = (int)(i % 4);
-    const long long block = half_block / 2;
-    const int r = (int)(half_block % 2), tile = (int)(block / groups), group = (int)(block % groups);
-    const int row = tile * TILE_ROWS + r * 8 + lane / 4;
-    if (row >= n_rows) continue;
-    const float scale = half_to_float(scales[half_block * 8 + lane / 4]);
+    const long long row = i / words_per_row, word_in_row = i % words_per_row;
+    const float scale = half_to_float(scales[row * groups + word_in_row * 8 / NQ_GROUP_SIZE]);
     unsigned int pairs[4];
     unpack_int4_word(qweight[i], pairs);
     unsigned int packed[4];
@@ -281,7 +275,6 @@ dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned
       const float2 q = half2_to_float2(pairs[p]);
       packed[p] = float2_to_half2(q.x * scale, q.y * scale);
     }
-    const long long word_in_row = group * WORDS_PER_GROUP + (lane % 4) * 4 + word;
-    out[(long long)row * (in_features / 8) + word_in_row] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
 }

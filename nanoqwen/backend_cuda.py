@@ -60,8 +60,8 @@ CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 class DeviceLinear:
     """One INT4 projection on the device; `splits` is its split-K factor in decode."""
 
-    qweight: object  # cupy uint32, tiled: [ceil(out/16), in/128, 2, 32, 4] (tile_int4)
-    scales: object  # cupy float16, tiled: [ceil(out/16), in/128, 16]
+    qweight: object  # cupy uint32 [out, in/8]
+    scales: object  # cupy float16 [out, in/128]
     bias: object | None  # cupy float16 [out]
     bias32: object | None  # cupy float32 [out]: prefill's GEMM starts from it
     out_features: int
@@ -77,29 +77,6 @@ class DeviceLayer:
     o: DeviceLinear
     gate_up: DeviceLinear  # gate rows then up rows: [2 I, H]
     down: DeviceLinear
-
-
-def tile_int4(qweight: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder a packed INT4 matrix for the decode GEMV (layout described in kernels/gemv_int4.cu).
-
-    qweight uint32 [N, K/8] -> [ceil(N/16), K/128, 2, 32, 4]: block (tile, group) holds the 16
-    rows x 128 weights a warp multiplies in one step, in its lanes' order (lane 4g + t reads
-    words 4t..4t+3 of the group in rows g and g + 8), so a warp streams one contiguous run.
-    scales fp16 [N, K/128] -> [ceil(N/16), K/128, 16]. Rows are padded to a multiple of 16
-    with q = 0 (nibble 8) and scale 0; the kernels never write the padding rows' results.
-    """
-    rows, words = qweight.shape
-    groups = scales.shape[1]
-    tiles = -(-rows // TILE_ROWS)
-    padded = np.full((tiles * TILE_ROWS, words), 0x88888888, dtype=np.uint32)
-    padded[:rows] = qweight
-    padded_scales = np.zeros((tiles * TILE_ROWS, groups), dtype=np.float16)
-    padded_scales[:rows] = scales
-    # row = 16 tile + 8 r + g, word = 16 group + 4 t + w  ->  [tile, group, r, g, t, w]
-    tiled = padded.reshape(tiles, 2, 8, groups, 4, 4).transpose(0, 3, 1, 2, 4, 5)
-    tiled_scales = padded_scales.reshape(tiles, 2, 8, groups).transpose(0, 3, 1, 2)
-    return (np.ascontiguousarray(tiled).reshape(tiles, groups, 2, 32, 4),
-            np.ascontiguousarray(tiled_scales).reshape(tiles, groups, 16))
 
 
 def block_threads(config) -> dict[str, int]:
@@ -212,10 +189,9 @@ class CudaBackend:
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise ValueError("projections stacked into one matrix must all have a bias or none")
         bias = None if biases[0] is None else cp.asarray(np.concatenate(biases))
-        tiled_qweight, tiled_scales = tile_int4(qweight, scales)
         return DeviceLinear(
-            qweight=cp.asarray(tiled_qweight),
-            scales=cp.asarray(tiled_scales),
+            qweight=cp.asarray(qweight),
+            scales=cp.asarray(scales),
             bias=bias,
             bias32=None if bias is None else bias.astype(cp.float32),
             out_features=qweight.shape[0],
@@ -414,7 +390,8 @@ class CudaBackend:
                           (self.layers[0].qkv, self.layers[0].o, self.layers[0].gate_up, self.layers[0].down))
             self._weight_scratch = cp.empty(largest, dtype=cp.float16)
         dense = self._weight_scratch[:size].reshape(linear.out_features, linear.in_features)
-        blocks = min(-(-linear.qweight.size // ELEMENTWISE_THREADS), self.num_sms * 8)
+        words = size // 8
+        blocks = min(-(-words // ELEMENTWISE_THREADS), self.num_sms * 8)
         self.kernels["dequantize_int4_to_half"](
             (blocks,), (ELEMENTWISE_THREADS,),
             (linear.qweight, linear.scales, dense, np.int32(linear.out_features), np.int32(linear.in_features)),

@@ -107,7 +107,6 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     rows = 2 * n if fused else n
     weight_bytes = rows * k // 2 + rows * (k // 128) * 2
     copies = copies_for(weight_bytes, l2_bytes)
-    # Random words and scales already in the kernels' tiled layout (rows are multiples of 16).
     qweights = [random_words(cp, (rows, k // 8)) for _ in range(copies)]
     scales = [random_scales(cp, (rows, k // 128)) for _ in range(copies)]
     x = (cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
