@@ -47,8 +47,8 @@ GEMV_THREADS = 32  # one warp per block
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
-# Split K so that each SM gets about this many GEMV warps: with 7 groups (7 KB) of weights in
-# flight per warp, 12 warps keep ~84 KB per SM in flight, enough to cover the DRAM latency.
+# Split K so that each SM gets about this many GEMV warps (each keeps 7 groups, 7 KB, of weights
+# in flight). Of 8, 12 and 20, 12 was fastest for down_proj on an H200 (results/kernels-h200.md).
 GEMV_WARPS_PER_SM = 12
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
