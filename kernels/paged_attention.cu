@@ -14,7 +14,8 @@
 // compute scores, an online softmax and the weighted sum of V for all GQA query heads that
 // share the KV head, from that one copy. DECODE_STAGES shared-memory stages let the copies of
 // the next pages fly while the consumers work. Long sequences are cut into page ranges, one
-// per block, and the last block to finish combines them (flash-decoding).
+// per block, and a second small kernel, `paged_attention_combine`, merges the ranges
+// (flash-decoding), one block per query head so the merge itself is spread over the GPU.
 //
 // The hand-off of a stage between the producer and a consumer is four hooks, below. The
 // deliberately broken kernels/paged_attention_broken.cu redefines only them.
@@ -88,6 +89,13 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
 }
 
+// Two floats to an fp16 pair, round to nearest even; `lo` is the first element in memory.
+__device__ __forceinline__ unsigned pack_half2_rn(float lo, float hi) {
+  unsigned packed;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -154,7 +162,6 @@ struct DecodeShared {
   float warp_max[DECODE_CONSUMER_WARPS][PA_GQA];
   float warp_sum[DECODE_CONSUMER_WARPS][PA_GQA];
   float warp_acc[DECODE_CONSUMER_WARPS][PA_GQA][PA_D];
-  int last_block;
 };
 static_assert(sizeof(DecodeShared) <= 227 * 1024, "decode shared memory exceeds a Hopper SM's");
 
@@ -269,8 +276,8 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 // Grid (splits, num_kv_heads), DECODE_THREADS threads, sizeof(DecodeShared) dynamic shared
 // memory. seq_len is read from device memory so one captured graph serves every step: the
 // grid is sized for the longest sequence and blocks beyond the work exit at once.
-// partial_*: [num_kv_heads, splits, GQA, ...] scratch; arrivals: [num_kv_heads] counters that
-// are 0 between launches (the combining block resets its own).
+// A sequence of one block's pages is finished here; otherwise each block leaves its share in
+// partial_* ([num_kv_heads, splits, GQA, ...]) for paged_attention_combine.
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 2)
 PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D] fp32, RoPE'd
                  const unsigned short* __restrict__ kv,       // one layer's pool, fp16
@@ -278,8 +285,7 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
                  const int* __restrict__ seq_len_ptr,         // [1] positions to attend to
                  unsigned short* __restrict__ out,            // [num_heads * D] fp16
                  float* __restrict__ partial_max_sum,         // [KVH, splits, GQA, 2]
-                 float* __restrict__ partial_acc,             // [KVH, splits, GQA, D]
-                 unsigned int* __restrict__ arrivals) {       // [KVH]
+                 float* __restrict__ partial_acc) {           // [KVH, splits, GQA, D]
   extern __shared__ __align__(128) unsigned char shared_raw[];
   DecodeShared& sh = *reinterpret_cast<DecodeShared*>(shared_raw);
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -356,7 +362,7 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
   consumers_sync<DECODE_CONSUMER_THREADS>();
 
   // Combine the consumer warps (a warp without pages has max -inf and weighs 0), then either
-  // finish (one split) or publish this split's share and let the last block combine the splits.
+  // finish (one block holds the whole sequence) or leave this split's share for the combine.
   const int t = threadIdx.x - WARP_SIZE;
   const size_t split_row = ((size_t)kv_head * splits + split) * PA_GQA;
   for (int e = t; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS) {
@@ -378,31 +384,87 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
       if (d == 0) partial_max_sum[2 * (split_row + h)] = block_max, partial_max_sum[2 * (split_row + h) + 1] = sum;
     }
   }
-  if (active_splits == 1) return;
+}
 
-  __threadfence();  // this thread's share is visible GPU-wide before the block counts itself in
-  consumers_sync<DECODE_CONSUMER_THREADS>();
-  if (t == 0) sh.last_block = atomicAdd(&arrivals[kv_head], 1u) == (unsigned)active_splits - 1;
-  consumers_sync<DECODE_CONSUMER_THREADS>();
-  if (!sh.last_block) return;
-  __threadfence();  // pairs with the other blocks' fences: their shares are visible now
+// ---------------------------------------------------------------- combine
 
-  const size_t head_rows = (size_t)kv_head * splits * PA_GQA;
-  for (int e = t; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS) {
-    const int h = e / PA_D, d = e % PA_D;
-    float total_max = NEGATIVE_INFINITY;
-    for (int s = 0; s < active_splits; ++s)
-      total_max = fmaxf(total_max, __ldcg(&partial_max_sum[2 * (head_rows + s * PA_GQA + h)]));
-    float sum = 0.0f, value = 0.0f;
-    for (int s = 0; s < active_splits; ++s) {
-      const size_t r = head_rows + s * PA_GQA + h;
-      const float w = fast_exp2(__ldcg(&partial_max_sum[2 * r]) - total_max);
-      sum = fmaf(__ldcg(&partial_max_sum[2 * r + 1]), w, sum);
-      value = fmaf(__ldcg(&partial_acc[r * PA_D + d]), w, value);
-    }
-    out[(kv_head * PA_GQA + h) * PA_D + d] = float_to_half(value / sum);
+constexpr int COMBINE_THREADS = 256;
+constexpr int COMBINE_GROUPS = COMBINE_THREADS / WARP_SIZE;  // each warp sums every 8th split
+constexpr int COMBINE_MAX_SPLITS = 4096;
+static_assert(PA_D / 4 <= WARP_SIZE, "a warp covers a head's dims 4 at a time");
+__device__ int paged_attention_combine_threads = COMBINE_THREADS;
+__device__ int paged_attention_combine_max_splits = COMBINE_MAX_SPLITS;
+
+// Grid (GQA, num_kv_heads): block (h, kv head) merges query head kv_head * GQA + h over the
+// splits the decode kernel left, weighting split s by 2^(max_s - max) (softmax in base 2).
+// Launched right after the decode kernel with the same seq_len; nothing to do if one split
+// held the whole sequence.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+paged_attention_combine(const int* __restrict__ seq_len_ptr, const float* __restrict__ partial_max_sum,
+                        const float* __restrict__ partial_acc, int splits, unsigned short* __restrict__ out) {
+  __shared__ float weight[COMBINE_MAX_SPLITS];
+  __shared__ float reduce[COMBINE_GROUPS];
+  __shared__ float4 group_sum[COMBINE_GROUPS][WARP_SIZE];
+  const int seq_len = *seq_len_ptr;
+  const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
+  const int pages_per_split = (num_pages + splits - 1) / splits;
+  if (seq_len <= 0) return;
+  const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;
+  if (active_splits == 1) return;  // the decode kernel wrote the output itself
+  const int h = blockIdx.x, kv_head = blockIdx.y;
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const size_t row0 = (size_t)kv_head * splits * PA_GQA + h;  // split s: row0 + s * GQA
+
+  // The largest split max, then each split's weight and the total softmax denominator.
+  float local = NEGATIVE_INFINITY;
+  for (int s = threadIdx.x; s < active_splits; s += COMBINE_THREADS)
+    local = fmaxf(local, partial_max_sum[2 * (row0 + (size_t)s * PA_GQA)]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) local = fmaxf(local, __shfl_xor_sync(FULL_MASK, local, offset));
+  if (lane == 0) reduce[warp] = local;
+  __syncthreads();
+  float total_max = reduce[0];
+#pragma unroll
+  for (int w = 1; w < COMBINE_GROUPS; ++w) total_max = fmaxf(total_max, reduce[w]);
+  __syncthreads();  // everyone has read `reduce` before it is reused
+  float denominator = 0.0f;
+  for (int s = threadIdx.x; s < active_splits; s += COMBINE_THREADS) {
+    const size_t r = row0 + (size_t)s * PA_GQA;
+    weight[s] = fast_exp2(partial_max_sum[2 * r] - total_max);
+    denominator = fmaf(partial_max_sum[2 * r + 1], weight[s], denominator);
   }
-  if (t == 0) arrivals[kv_head] = 0;  // ready for the next launch
+  denominator = warp_sum(denominator);
+  if (lane == 0) reduce[warp] = denominator;
+  __syncthreads();  // weights and partial denominators are all written
+  denominator = 0.0f;
+#pragma unroll
+  for (int w = 0; w < COMBINE_GROUPS; ++w) denominator += reduce[w];
+
+  // Weighted sum of the splits' shares: lane = 4 dims, warp = every 8th split, unrolled so
+  // several 16-byte loads are in flight per thread.
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (lane < PA_D / 4) {
+#pragma unroll 4
+    for (int s = warp; s < active_splits; s += COMBINE_GROUPS) {
+      const float4 v = *reinterpret_cast<const float4*>(partial_acc + (row0 + (size_t)s * PA_GQA) * PA_D + 4 * lane);
+      const float w = weight[s];
+      acc.x = fmaf(v.x, w, acc.x), acc.y = fmaf(v.y, w, acc.y), acc.z = fmaf(v.z, w, acc.z), acc.w = fmaf(v.w, w, acc.w);
+    }
+  }
+  group_sum[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0 && lane < PA_D / 4) {
+    float4 total = group_sum[0][lane];
+#pragma unroll
+    for (int w = 1; w < COMBINE_GROUPS; ++w) {
+      const float4 g = group_sum[w][lane];
+      total.x += g.x, total.y += g.y, total.z += g.z, total.w += g.w;
+    }
+    const float inv = 1.0f / denominator;
+    unsigned* dst = reinterpret_cast<unsigned*>(out + (kv_head * PA_GQA + h) * PA_D + 4 * lane);
+    dst[0] = pack_half2_rn(total.x * inv, total.y * inv);
+    dst[1] = pack_half2_rn(total.z * inv, total.w * inv);
+  }
 }
 
 // ====================================================================== prefill
@@ -425,12 +487,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
   // src-size 0 fills the 16 bytes with zeros: rows past the sequence never reach the math.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
-}
-
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned packed;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
 }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_address) {
@@ -503,9 +559,9 @@ paged_attention_prefill(const float* __restrict__ q,            // [T, num_heads
       float2 x = make_float2(0.0f, 0.0f);
       if (token < num_tokens) x = *reinterpret_cast<const float2*>(q + (size_t)token * NQ_NUM_HEADS * PA_D + head * PA_D + col);
       x.x *= q_scale, x.y *= q_scale;
-      q_hi[ks][r] = pack_half2(x.x, x.y);
+      q_hi[ks][r] = pack_half2_rn(x.x, x.y);
       const float2 back = half2_to_float2(q_hi[ks][r]);
-      q_lo[ks][r] = pack_half2(x.x - back.x, x.y - back.y);
+      q_lo[ks][r] = pack_half2_rn(x.x - back.x, x.y - back.y);
     }
   }
 
@@ -583,9 +639,9 @@ paged_attention_prefill(const float* __restrict__ q,            // [T, num_heads
     // 16kk..16kk+15, so p never leaves registers.
 #pragma unroll
     for (int kk = 0; kk < PREFILL_KV_TILE / 16; ++kk) {
-      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const unsigned a[4] = {pack_half2_rn(s[2 * kk][0], s[2 * kk][1]), pack_half2_rn(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2_rn(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
       for (int n = 0; n < PA_D / 8; n += 2) {
         // Transposed loads: positions 16kk.. and 16kk+8.., dims 8n.. and 8n+8..
@@ -608,7 +664,7 @@ paged_attention_prefill(const float* __restrict__ q,            // [T, num_heads
       const float inv = 1.0f / row_sum[half];
       unsigned* dst = reinterpret_cast<unsigned*>(out + (size_t)token * NQ_NUM_HEADS * PA_D + head * PA_D + 2 * c);
 #pragma unroll
-      for (int n = 0; n < PA_D / 8; ++n) dst[4 * n] = pack_half2(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+      for (int n = 0; n < PA_D / 8; ++n) dst[4 * n] = pack_half2_rn(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
     }
   }
 }

@@ -70,7 +70,7 @@ def split_pages(seq_len: int, splits: int) -> list[tuple[int, int]]:
 class PagedAttention:
     """Decode and prefill attention for one model shape, compiled at construction."""
 
-    launches_per_decode = 1  # the last block of each KV head combines the splits in place
+    launches_per_decode = 2  # the split decode kernel, then the kernel that merges the splits
     kernel_file = KERNEL_FILE
     decode_kernel = "paged_attention_decode"
 
@@ -88,6 +88,7 @@ class PagedAttention:
         module = cuda_build.compile_module(config, files=(self.kernel_file,))
         self._decode = module.get_function(self.decode_kernel)
         self._prefill = module.get_function("paged_attention_prefill")
+        self._combine = module.get_function("paged_attention_combine")
 
         def device_int(name: str) -> int:
             return int(cp.ndarray((1,), cp.int32, memptr=module.get_global(name)).get()[0])
@@ -96,18 +97,19 @@ class PagedAttention:
         self.decode_smem = device_int("paged_attention_decode_smem_bytes")
         self.prefill_threads = device_int("paged_attention_prefill_threads")
         self.prefill_smem = device_int("paged_attention_prefill_smem_bytes")
+        self.combine_threads = device_int("paged_attention_combine_threads")
+        max_splits = device_int("paged_attention_combine_max_splits")
         self._decode.max_dynamic_shared_size_bytes = self.decode_smem
         self._prefill.max_dynamic_shared_size_bytes = self.prefill_smem
 
         num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.splits = splits or decode_splits(config.num_kv_heads, max_seq_len, num_sms)
-        if not isinstance(self.splits, int) or self.splits <= 0:
-            raise ValueError(f"splits must be a positive integer, got {splits!r}")
+        if not isinstance(self.splits, int) or not 0 < self.splits <= max_splits:
+            raise ValueError(f"splits must be an integer in 1..{max_splits}, got {splits!r}")
         kvh, d = config.num_kv_heads, config.head_dim
         # Each split's share: running max and sum per head, and the unnormalized weighted V.
         self.partial_max_sum = cp.empty((kvh, self.splits, self.gqa, 2), dtype=cp.float32)
         self.partial_acc = cp.empty((kvh, self.splits, self.gqa, d), dtype=cp.float32)
-        self.arrivals = cp.zeros((kvh,), dtype=cp.uint32)  # the kernel leaves them at 0
 
     # ------------------------------------------------------------------ checks
 
@@ -149,10 +151,15 @@ class PagedAttention:
                 "the kernel reads the length from device memory and cannot check it"
             )
         with stream if stream is not None else cp.cuda.get_current_stream():
+            kvh = self.config.num_kv_heads
             self._decode(
-                (self.splits, self.config.num_kv_heads), (self.decode_threads,),
-                (q, kv_layer, page_table, seq_len, out, self.partial_max_sum, self.partial_acc, self.arrivals),
+                (self.splits, kvh), (self.decode_threads,),
+                (q, kv_layer, page_table, seq_len, out, self.partial_max_sum, self.partial_acc),
                 shared_mem=self.decode_smem,
+            )
+            self._combine(
+                (self.gqa, kvh), (self.combine_threads,),
+                (seq_len, self.partial_max_sum, self.partial_acc, np.int32(self.splits), out),
             )
 
     def prefill(self, q, kv_layer, page_table, start_pos: int, num_tokens: int, out) -> None:

@@ -134,6 +134,7 @@ def test_one_captured_graph_serves_every_length(cp):
     table_d[: len(table)] = cp.asarray(table)
     kv, q = cp.asarray(pool[0]), (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
     q_d, seq_len, out = cp.asarray(q), cp.zeros(1, cp.int32), cp.empty(config.q_dim, cp.float16)
+    cp.cuda.Device().synchronize()  # the inputs were made on the default stream, which ours does not wait for
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

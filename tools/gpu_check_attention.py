@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -158,6 +159,7 @@ def check_graph(cp, results):
     q = (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
     q_d, seq_len = cp.asarray(q), cp.asarray(np.array([1], np.int32))
     out = cp.empty(config.q_dim, dtype=cp.float16)
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -239,12 +241,14 @@ def run_sanitize(cp, which: str) -> None:
 
 
 def sanitizer_runs(results, folder: Path):
-    """Each tool on each kernel, all at once in subprocesses (each has its own time limit)."""
+    """Each tool on each kernel, all at once in subprocesses (each has its own time limit).
+    Their logs end up concatenated in `folder`/sanitizer-logs.txt."""
+    scratch = Path(tempfile.mkdtemp())
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     jobs = []
     for which, tools in (("broken", ("synccheck", "racecheck")), ("fixed", ("synccheck", "racecheck", "memcheck"))):
         for tool in tools:
-            logfile = folder / f"sanitizer-{tool}-{which}.txt"
+            logfile = scratch / f"sanitizer-{tool}-{which}.txt"
             cmd = [sanitizer, "--tool", tool, "--print-limit", "40", sys.executable, __file__,
                    "--sanitize", which]
             jobs.append((which, tool, logfile, subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
@@ -261,9 +265,12 @@ def sanitizer_runs(results, folder: Path):
             status = "timeout"
         text = logfile.read_text(errors="replace")
         summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
+        excerpt = [line for line in text.splitlines() if line.startswith("=========")][:24]
         rows.append(dict(kernel=which, tool=tool, status=status, summary=summary[-1] if summary else "(none)",
-                         log=logfile.name))
+                         excerpt=excerpt))
         log(f"  {tool} {which}: {rows[-1]['summary']} (exit {status})")
+        with (folder / "sanitizer-logs.txt").open("a") as bundle:
+            bundle.write(f"\n######## compute-sanitizer --tool {tool}, {which} kernel (exit {status})\n{text}")
     results["sanitizer"] = rows
 
 
@@ -272,6 +279,7 @@ def sanitizer_runs(results, folder: Path):
 
 def time_graph(cp, launch, count: int, replays: int = 15) -> float:
     """Median milliseconds per launch: `count` launches captured in one graph, replayed."""
+    cp.cuda.Device().synchronize()  # the inputs were made on the default stream; ours does not wait for it
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         launch(0, stream)  # warm-up outside the capture
@@ -317,9 +325,10 @@ def time_decode(cp, results, bandwidth):
     for n in (640, 8192, 32768):
         attention = PagedAttention(config, num_pages=32768 // PAGE_SIZE, max_seq_len=32768)
         variants = [("default", attention)]
-        if n == 32768:
-            variants.append(("4 blocks/SM grid", PagedAttention(config, num_pages=32768 // PAGE_SIZE, max_seq_len=32768,
-                                                                 splits=2 * attention.splits)))
+        if n >= 8192:  # is the grid (2 blocks per SM) the right size? try half and twice the splits
+            for label, splits in (("half splits", attention.splits // 2), ("2x splits", 2 * attention.splits)):
+                variants.append((label, PagedAttention(config, num_pages=32768 // PAGE_SIZE, max_seq_len=32768,
+                                                       splits=splits)))
         layer_bytes = attention.decode_kv_bytes(n)
         rotations = max(4, -(-(512 << 20) // layer_bytes))  # > 8x the 60 MB L2: every launch reads from HBM
         pages = -(-n // PAGE_SIZE)
@@ -370,7 +379,7 @@ def write_report(results, folder: Path, command: str):
         f"- date: {results['date']}",
         f"- GPU: {results.get('gpu', '?')}, driver/runtime {results.get('cuda', '?')}, CuPy {results.get('cupy', '?')}",
         f"- command: `{command}`",
-        "- kernels: kernels/paged_attention.cu (decode: 1 producer + 4 consumer warps, 8 stages; prefill: mma.sync), "
+        "- kernels: kernels/paged_attention.cu (decode: 1 producer + 4 consumer warps, 8 stages, then a combine kernel; prefill: mma.sync), "
         "kernels/paged_attention_broken.cu",
         "",
         "## Byte floor",
@@ -430,9 +439,7 @@ def write_report(results, folder: Path, command: str):
         lines.append("")
         for r in results["sanitizer"]:
             if r["kernel"] == "broken":
-                text = (folder / r["log"]).read_text(errors="replace").splitlines()
-                excerpt = [line for line in text if line.startswith("=========")][:24]
-                lines += [f"Excerpt of `{r['log']}`:", "", "```text", *excerpt, "```", ""]
+                lines += [f"Excerpt, {r['tool']} on the broken kernel:", "", "```text", *r["excerpt"], "```", ""]
     if results.get("failures"):
         lines += ["## Sections that failed", "", "```text", *results["failures"], "```", ""]
     (folder / "attention-h200.md").write_text("\n".join(lines))
@@ -443,6 +450,7 @@ def main():
     parser.add_argument("--broken-stress", type=int, metavar="RUNS")
     parser.add_argument("--sanitize", choices=("fixed", "broken"))
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip")
+    parser.add_argument("--scratch", default=None, help="where subprocesses leave their files")
     args = parser.parse_args()
     import cupy as cp
 
@@ -451,7 +459,7 @@ def main():
         return
     folder = out_dir()
     if args.broken_stress:
-        (folder / "broken-stress.json").write_text(json.dumps(broken_stress(cp, args.broken_stress)))
+        Path(args.scratch, "broken-stress.json").write_text(json.dumps(broken_stress(cp, args.broken_stress)))
         return
 
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -469,7 +477,7 @@ def main():
         ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp)), 30),
         ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"]), 60),
         ("prefill_timing", lambda: time_prefill(cp, results), 30),
-        ("broken_stress", lambda: stress_subprocess(results, folder), 130),
+        ("broken_stress", lambda: stress_subprocess(results), 130),
         ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
     ]
     finish = lambda: finish_run(results, folder)  # noqa: E731
@@ -532,14 +540,15 @@ def print_summary(results):
         print("FAILED SECTION:", f.splitlines()[0], f.splitlines()[-1])
 
 
-def stress_subprocess(results, folder: Path, runs: int = 200):
+def stress_subprocess(results, runs: int = 200):
     """The broken kernel runs in its own process: if its barrier hangs the GPU work, only that
     process is killed."""
-    cmd = [sys.executable, __file__, "--broken-stress", str(runs)]
+    scratch = tempfile.mkdtemp()
+    cmd = [sys.executable, __file__, "--broken-stress", str(runs), "--scratch", scratch]
     try:
         proc = subprocess.run(cmd, cwd=REPO, timeout=120, capture_output=True, text=True)
         print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
-        results["broken_stress"] = json.loads((folder / "broken-stress.json").read_text())
+        results["broken_stress"] = json.loads(Path(scratch, "broken-stress.json").read_text())
     except subprocess.TimeoutExpired:
         results["failures"].append("broken_stress: timed out after 120 s (the broken kernel hung?)")
 
