@@ -124,11 +124,13 @@ def _default_attention():
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, model: Model, num_pages: int, attention_factory=None):
+    def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
-        (default: nanoqwen.cuda_attention.PagedAttention).
+        (default: nanoqwen.cuda_attention.PagedAttention). With `use_graph` (the default) decode
+        replays one captured CUDA graph per token (nanoqwen.cuda_graph); without it, it launches
+        every kernel from Python.
         """
         import cupy as cp
 
@@ -174,6 +176,9 @@ class CudaBackend:
             self._allocate_decode_buffers()
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
+        self.use_graph = use_graph
+        self._graph = None  # captured at the first graph decode
+        self._device_holds = None  # (token, position, page table) the device state holds for the next step
         device.synchronize()  # uploads and attention's set-up may run on other streams
 
     # ------------------------------------------------------------------ setup
@@ -345,18 +350,47 @@ class CudaBackend:
         host[STATE_TOKEN], host[STATE_POSITION], host[STATE_SEQ_LEN] = token, position, position + 1
         host[STATE_PAGE_TABLE:] = pages
         self.state[: len(host)].set(host, stream=self.stream)
+        self._device_holds = (int(token), int(position), pages)
+
+    def decode_graph(self):
+        """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda_graph)."""
+        if self._graph is None:
+            from .cuda_graph import DecodeGraph
+
+            self._graph = DecodeGraph(self)
+        return self._graph
+
+    def _step(self, token_id: int, position: int, page_table) -> None:
+        """Run one decode step for `token_id` at `position`.
+
+        After a greedy step the device state already holds the chosen token and the next
+        position (argmax_select_next wrote them), so the next step's inputs are uploaded only
+        when they differ: a sampled token, a new request, a different page table.
+        """
+        holds = self._device_holds
+        if holds is None or holds[:2] != (token_id, position) or not np.array_equal(holds[2][: len(page_table)], page_table):
+            self.set_step_inputs(token_id, position, page_table)
+        if self.use_graph:
+            self.decode_graph().launch()
+        else:
+            self.decode_step_launches(self.stream)
+
+    def _after_step(self, position: int) -> int:
+        token = int(self.token.get(stream=self.stream)[0])
+        self._device_holds = (token, position + 1, self._device_holds[2])
+        return token
 
     def decode(self, token_id: int, position: int, page_table) -> np.ndarray:
         """One token at `position` (its K/V is written there); logits [vocab] fp32."""
-        self.set_step_inputs(token_id, position, page_table)
-        self.decode_step_launches(self.stream)
-        return self.logits.get(stream=self.stream)
+        self._step(token_id, position, page_table)
+        logits = self.logits.get(stream=self.stream)
+        self._after_step(position)
+        return logits
 
     def decode_greedy(self, token_id: int, position: int, page_table) -> int:
         """The argmax of `decode`, computed on the device: only 4 bytes come back."""
-        self.set_step_inputs(token_id, position, page_table)
-        self.decode_step_launches(self.stream)
-        return int(self.token.get(stream=self.stream)[0])
+        self._step(token_id, position, page_table)
+        return self._after_step(position)
 
     # ------------------------------------------------------------------ prefill
 
@@ -435,6 +469,7 @@ class CudaBackend:
         """Write K/V of `token_ids` [T] at start_pos.. into the cache; logits [vocab] of the last."""
         token_ids = self._check_tokens(token_ids)
         pages = self._check_positions(start_pos, len(token_ids), page_table)
+        self._device_holds = None
         with self.stream:
             self.page_table[: len(pages)].set(pages, stream=self.stream)
             for begin in range(0, len(token_ids), PREFILL_CHUNK):

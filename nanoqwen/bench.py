@@ -1,0 +1,251 @@
+"""`nanoqwen bench`: the article's protocol (a 512-token prompt, 128 greedy tokens) on the GPU.
+
+It reports time to first token, decode ms/token and tokens/s, the bytes one decoded token must
+read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
+decode, and where the microseconds of one step go, kernel by kernel. With `--baseline` it
+times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from .cli import subcommand
+from .config import ModelConfig
+
+READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
+
+
+def bytes_per_token(config: ModelConfig, context: int) -> dict[str, int]:
+    """Bytes one decode step must read at `context` cached positions, by kind."""
+    c, g = config, config.group_size
+    linear_params = c.num_layers * (
+        c.hidden_size * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    )
+    return {
+        "int4 weights": linear_params // 2,
+        "fp16 scales": linear_params // g * 2,
+        "fp16 lm_head": c.vocab_size * c.hidden_size * 2,
+        "kv cache": 2 * c.num_layers * c.kv_dim * 2 * context,
+        "embedding row, biases, norms": 2 * (c.hidden_size + c.num_layers * (c.q_dim + 2 * c.kv_dim + 2 * c.hidden_size) + c.hidden_size),
+    }
+
+
+def _median_ms(samples) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def time_decode_steps(backend, step, steps: int, start_position: int, page_table) -> float:
+    """Median ms of `steps` replays of `step()` (each one decode step), GPU-timed per step."""
+    import cupy as cp
+
+    backend.set_step_inputs(1, start_position, page_table)
+    stream = backend.stream
+    times = []
+    for _ in range(steps):
+        begin, end = cp.cuda.Event(), cp.cuda.Event()
+        begin.record(stream)
+        step()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(begin, end) / 1e3)
+    return _median_ms(times)
+
+
+def time_host_loop(backend, step, steps: int, start_position: int, page_table) -> float:
+    """Wall-clock ms per step of `steps` steps issued back to back (what a user waits)."""
+    backend.set_step_inputs(1, start_position, page_table)
+    backend.stream.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    backend.stream.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def kernel_table(timeline) -> list[dict]:
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for name, start, end in timeline:
+        per_kernel[name][0] += 1
+        per_kernel[name][1] += end - start
+    total = sum(t for _, t in per_kernel.values())
+    return [
+        {"kernel": name, "launches": n, "us": round(t, 1), "us_per_launch": round(t / n, 2), "share": round(t / total, 4)}
+        for name, (n, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
+    ]
+
+
+def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: int, seed: int) -> dict:
+    """transformers' Qwen2ForCausalLM, bf16 random weights on the GPU: prefill and decode timing."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(hf_config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (1, prompt_tokens), device="cuda")
+    with torch.inference_mode():
+        model(ids[:, :16])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(ids)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "engine": f"transformers {__import__('transformers').__version__} Qwen2ForCausalLM, bf16, eager generate",
+        "prefill_ms": prefill * 1e3,
+        "decode_ms_per_token": (total - prefill) / (new_tokens - 1) * 1e3,
+    }
+
+
+def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
+              baseline: bool = False, seed: int = 0, progress: bool = True) -> dict:
+    import cupy as cp
+
+    from .engine import Engine
+    from .kvcache import pages_needed
+    from .loader import load
+
+    timing_steps = 64
+    model = load(model_path)
+    config = model.config
+    context = prompt_tokens + new_tokens
+    engine = Engine(model, backend="cuda", max_context=min(config.max_position_embeddings, context + timing_steps))
+    backend = engine.backend
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
+        "command": " ".join(["nanoqwen"] + sys.argv[1:]) if sys.argv[0].endswith("nanoqwen") else " ".join(sys.argv),
+        "versions": {"python": platform.python_version(), "cupy": cp.__version__, "numpy": np.__version__},
+        "model": str(model_path),
+        "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
+        "protocol": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "greedy": True, "repeats": repeats},
+    }
+
+    engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
+    runs = [engine.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[]) for _ in range(repeats)]
+    ttft = statistics.median(r.prefill_seconds for r in runs) * 1e3
+    decode_ms = statistics.median(r.decode_seconds / (len(r.token_ids) - 1) for r in runs) * 1e3
+    floor = bytes_per_token(config, prompt_tokens + new_tokens // 2)
+    floor_bytes = sum(floor.values())
+    report["end_to_end"] = {
+        "time_to_first_token_ms": ttft,
+        "decode_ms_per_token": decode_ms,
+        "decode_tokens_per_s": 1e3 / decode_ms,
+        "byte_floor_per_token": floor,
+        "byte_floor_total": floor_bytes,
+        "achieved_GB_per_s": floor_bytes / decode_ms / 1e6,
+        "floor_ms_at_read_bandwidth": floor_bytes / READ_BANDWIDTH * 1e3,
+        "share_of_floor": floor_bytes / READ_BANDWIDTH * 1e3 / decode_ms,
+        "greedy_tokens_identical_across_repeats": all(r.token_ids == runs[0].token_ids for r in runs),
+    }
+
+    # Step-level: eager launches against the captured graph, over the same pages.
+    page_table = engine.allocator.allocate(pages_needed(prompt_tokens + timing_steps + 1))
+    try:
+        engine.backend.prefill(np.array(ids, dtype=np.int32), 0, page_table)
+        eager = lambda: backend.decode_step_launches(backend.stream)  # noqa: E731
+        graph = backend.decode_graph()
+        report["step"] = {
+            "launches_per_token": backend.launches_per_token,
+            "eager_ms_per_token_wall": time_host_loop(backend, eager, timing_steps, prompt_tokens, page_table),
+            "graph_ms_per_token_wall": time_host_loop(backend, graph.launch, timing_steps, prompt_tokens, page_table),
+            "graph_ms_per_step_gpu": time_decode_steps(backend, graph.launch, timing_steps, prompt_tokens, page_table),
+        }
+        from .cuda_graph import step_timeline
+
+        backend.set_step_inputs(1, prompt_tokens, page_table)
+        timeline = step_timeline(backend)
+        busy_us = timeline[-1][2]
+        graph_us = report["step"]["graph_ms_per_step_gpu"] * 1e3
+        report["step"].update(
+            back_to_back_us=busy_us,
+            idle_gap_us_per_launch=(graph_us - busy_us) / len(timeline),
+            kernels=kernel_table(timeline),
+        )
+        report["timeline"] = [(n, round(s, 2), round(e, 2)) for n, s, e in timeline]
+    finally:
+        engine.allocator.free(page_table)
+    engine.close()
+    if baseline:
+        report["baseline"] = transformers_baseline(config, prompt_tokens, new_tokens, seed)
+    return report
+
+
+def format_report(report: dict) -> str:
+    e, s = report["end_to_end"], report.get("step", {})
+    lines = [
+        f"nanoqwen bench  {report['date']}  {report['gpu']}",
+        f"model {report['model']}  prompt {report['protocol']['prompt_tokens']}  new {report['protocol']['new_tokens']} (greedy)",
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+        f"| time to first token | {e['time_to_first_token_ms']:.2f} ms |",
+        f"| decode | {e['decode_ms_per_token']:.3f} ms/token ({e['decode_tokens_per_s']:.1f} tokens/s) |",
+        f"| byte floor per token | {e['byte_floor_total'] / 1e9:.3f} GB -> {e['floor_ms_at_read_bandwidth']:.3f} ms at 4.49 TB/s |",
+        f"| achieved | {e['achieved_GB_per_s']:.0f} GB/s, {100 * e['share_of_floor']:.1f}% of the floor |",
+    ]
+    if s:
+        lines += [
+            f"| launches per token | {s['launches_per_token']} |",
+            f"| eager step (wall) | {s['eager_ms_per_token_wall']:.3f} ms |",
+            f"| graph step (wall) | {s['graph_ms_per_token_wall']:.3f} ms |",
+            f"| graph step (GPU events) | {s['graph_ms_per_step_gpu']:.3f} ms |",
+            f"| kernels back to back | {s['back_to_back_us']:.1f} us |",
+            f"| idle gap per launch in the graph | {s['idle_gap_us_per_launch']:.2f} us |",
+            "",
+            "| kernel | launches | us per step | us per launch | share |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [f"| {k['kernel']} | {k['launches']} | {k['us']:.1f} | {k['us_per_launch']:.2f} | {100 * k['share']:.1f}% |" for k in s["kernels"]]
+    if "baseline" in report:
+        b = report["baseline"]
+        lines += ["", f"baseline: {b['engine']}: prefill {b['prefill_ms']:.1f} ms, decode {b['decode_ms_per_token']:.2f} ms/token"]
+    return "\n".join(lines)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="a .nanoqwen file (the 7B: see `python -m nanoqwen.random_model`)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", action="store_true", help="also time transformers on the same shapes (needs torch)")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+
+
+@subcommand("bench", "time prefill and decode on the GPU (512-token prompt, 128 greedy tokens)", _arguments)
+def main(args: argparse.Namespace) -> int:
+    if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
+        print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1", file=sys.stderr)
+        return 2
+    report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
