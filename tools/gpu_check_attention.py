@@ -442,7 +442,38 @@ def write_report(results, folder: Path, command: str):
                 lines += [f"Excerpt, {r['tool']} on the broken kernel:", "", "```text", *r["excerpt"], "```", ""]
     if results.get("failures"):
         lines += ["## Sections that failed", "", "```text", *results["failures"], "```", ""]
+    lines += ["## Machine-readable summary (read by chapter 5)", "", "```json",
+              json.dumps(machine_summary([results]), indent=1, default=str), "```", ""]
     (folder / "attention-h200.md").write_text("\n".join(lines))
+
+
+def machine_summary(runs: list[dict]) -> dict:
+    """The figures chapter 5 plots, from one or more runs of this script (the last one's
+    timings; every run's broken-kernel counts)."""
+    last = runs[-1]
+    summary = dict(date=last["date"], gpu=last["gpu"])
+    if "bandwidth" in last:
+        summary["copy_tb_per_s"] = last["bandwidth"]["tb_per_s"]
+    if "decode_timing" in last:
+        summary["decode"] = [{k: r[k] for k in ("seq_len", "variant", "splits", "us", "floor_us", "kv_bytes")}
+                             for r in last["decode_timing"]]
+    if "prefill_timing" in last:
+        summary["prefill_512_us_per_layer"] = last["prefill_timing"]["us_per_layer"]
+        summary["prefill_tflops"] = last["prefill_timing"]["tflops"]
+    if "correctness" in last:
+        rows = last["correctness"]
+        summary.update(correctness_pass=sum(r["ok"] for r in rows), correctness_cases=len(rows),
+                       worst_error=max(r["error"] for r in rows))
+    stress = [run["broken_stress"] for run in runs if "broken_stress" in run]
+    if stress:
+        summary["broken_stress"] = [
+            dict(shape=rows[0]["shape"], seq_len=rows[0]["seq_len"], runs_each=rows[0]["runs"],
+                 wrong=[r["broken_wrong"] for r in rows], fixed_disagree=sum(r["fixed_disagree"] for r in rows))
+            for rows in zip(*stress)
+        ]
+    if "sanitizer" in last:
+        summary["sanitizer"] = [{k: r[k] for k in ("kernel", "tool", "summary")} for r in last["sanitizer"]]
+    return summary
 
 
 def main():
