@@ -389,7 +389,7 @@ def write_report(results, folder: Path, command: str):
         lines += [
             f"Device-to-device copy of {bw['bytes_moved'] / 2**30:.0f} GiB (read + write counted): "
             f"{bw['ms']:.3f} ms, **{bw['tb_per_s']:.2f} TB/s**. The floor of one decode attention call is "
-            "the layer's K and V bytes (seq_len x 2 x KVH x D x 2 B = 4 KiB per position at the 7B's shape) "
+            "the layer's K and V bytes (seq_len x 2 x KVH x D x 2 B = 2 KiB per position at the 7B's shape) "
             "read at that rate.",
             "",
         ]
