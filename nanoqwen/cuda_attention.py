@@ -12,9 +12,12 @@ Shapes (H = num_heads, D = head_dim, KVH = num_kv_heads, P = pages in the pool):
     seq_len     int32 [1] in device memory: positions to attend to, the new token included
     out         decode: fp16 [H*D]          prefill: fp16 [T, H*D]
 
-`decode` takes the sequence length from device memory and launches a grid sized for
-`max_seq_len`, so its launch never changes from one step to the next and a CUDA graph captured
-once replays it for every token. The oracle is `nanoqwen.ops_numpy.paged_attention`.
+`decode` takes the sequence length from device memory and launches two kernels, the split
+decode and the merge of the splits, with grids sized for `max_seq_len`: the launches never
+change from one step to the next, so a CUDA graph captured once replays them for every token.
+`prefill` is one tensor-core kernel. The oracle is `nanoqwen.ops_numpy.paged_attention`;
+chapter 5 explains the kernels and `kernels/paged_attention_broken.cu`, the deliberately
+broken decode that `BrokenPagedAttention` builds.
 
 Nothing here imports CuPy until a kernel is built, so the planning helpers run on any machine.
 """
@@ -79,11 +82,11 @@ class PagedAttention:
 
         check_config(config)
         for name, value in (("num_pages", num_pages), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.config = config
-        self.num_pages = num_pages
-        self.max_seq_len = max_seq_len
+        self.num_pages = int(num_pages)
+        self.max_seq_len = int(max_seq_len)
         self.gqa = config.num_heads // config.num_kv_heads
         module = cuda_build.compile_module(config, files=(self.kernel_file,))
         self._decode = module.get_function(self.decode_kernel)
