@@ -77,13 +77,13 @@ class LaunchRecorder:
     def __exit__(self, *exc) -> None:
         self.backend.kernels.clear()
         self.backend.kernels.update(self._kernels)
-        self.backend.attention.decode = self._attention_decode
+        del self.backend.attention.decode  # the instance attribute hid the method
 
 
-def step_timeline(backend, spin_ms: float = 20.0) -> list[tuple[str, float, float]]:
+def step_timeline(backend, spin_cycles: int = 40_000_000) -> list[tuple[str, float, float]]:
     """Start and end (us) of every launch of one decode step, measured on the GPU.
 
-    A spin kernel holds the stream while the host queues the whole step with an event between
+    A spin kernel (20-40 ms at Hopper's clocks) holds the stream while the host queues the whole step with an event between
     launches; the GPU then runs the kernels back to back, as a graph would, and the events time
     each one. Returns [(name, start_us, end_us)], starts relative to the first launch.
     """
@@ -94,10 +94,9 @@ def step_timeline(backend, spin_ms: float = 20.0) -> list[tuple[str, float, floa
         backend.decode_step_launches(stream)
     stream.synchronize()
     spin = cp.RawKernel(SPIN_SOURCE, "spin")
-    clock_khz = cp.cuda.Device().attributes["ClockRate"]
     events = [cp.cuda.Event() for _ in range(len(recorder.launches) + 1)]
     with stream:
-        spin((1,), (1,), (np.int64(spin_ms * clock_khz),))
+        spin((1,), (1,), (np.int64(spin_cycles),))
         events[0].record(stream)
         for (name, thunk), event in zip(recorder.launches, events[1:]):
             thunk()
