@@ -1,0 +1,185 @@
+"""tools/check_vs_transformers.py on small models: its parts, and the whole run on the CPU.
+
+The tool runs on the H200 at the 7B's shapes with the CUDA backend; everything except the
+device is the same code here: the torch dequantization, the reference built from the file,
+transformers' cached decoding, the teacher-forced engine run, the verdict. Each failure mode
+the verdict names is provoked once with a deliberately broken backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nanoqwen
+from nanoqwen import backend_numpy
+from nanoqwen.engine import cuda_available
+from nanoqwen.quant import dequantize_int4, quantize_int4
+from nanoqwen.testing import make_nanoqwen, reference_model
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_vs_transformers.py"
+_spec = importlib.util.spec_from_file_location("check_vs_transformers", TOOL)
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check_models")
+    return {
+        "untied": make_nanoqwen(root / "untied", seed=0, tokenizer=False),
+        # the 7B's head_dim and 7:1 grouping, tied lm_head
+        "tied-gqa7": make_nanoqwen(root / "tied", seed=2, tokenizer=False, num_heads=7, num_kv_heads=1, head_dim=128,
+                                   hidden_size=256, intermediate_size=512, tie_word_embeddings=True),
+    }
+
+
+def run_tool(model_path, tmp_path, *extra) -> tuple[int, dict]:
+    out = tmp_path / "check.json"
+    code = check.main(["--model", str(model_path), "--backend", "numpy", "--device", "cpu", "--json", str(out), *extra])
+    return code, json.loads(out.read_text())
+
+
+def test_torch_dequantization_is_exactly_nanoqwens():
+    rng = np.random.default_rng(7)
+    # Arbitrary words: every nibble value including 0, and the sign bit set in about half.
+    words = rng.integers(0, 1 << 32, size=(24, 48), dtype=np.uint32)
+    scales = (rng.standard_normal((24, 3)) * 0.01).astype(np.float16)
+    words.setflags(write=False)  # as the loader's memory-mapped views are
+    got = check.dequantize_int4_torch(words, scales, "cpu").numpy()
+    np.testing.assert_array_equal(got, dequantize_int4(words, scales))
+
+    weight = rng.standard_normal((40, 256)).astype(np.float32)
+    qweight, scales = quantize_int4(weight)
+    np.testing.assert_array_equal(check.dequantize_int4_torch(qweight, scales, "cpu").numpy(),
+                                  dequantize_int4(qweight, scales))
+
+
+@pytest.mark.parametrize("name", ["untied", "tied-gqa7"])
+def test_reference_holds_exactly_the_weights_of_nanoqwen_testing(models, name):
+    model = nanoqwen.load(models[name])
+    ours = check.hf_reference(model, "cpu").state_dict()
+    theirs = reference_model(model).state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert check.check_dequantize(model, "cpu") == model.config.kv_dim * model.config.hidden_size
+
+
+def test_whole_run_passes_on_the_numpy_backend(models, tmp_path, capsys):
+    code, report = run_tool(models["untied"], tmp_path)
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert report["passed"] and not report["failures"]
+    assert output.rstrip().splitlines()[-1].startswith("PASS")
+    assert len(report["steps"]) == 33 and report["counts"]["decode_steps"] == 32
+    assert report["counts"]["generate_tokens_checked"] == 33
+    assert report["generate_tokens"] == report["reference_tokens"]
+    assert report["reference_cache_drift"] < 1e-4
+    assert len(set(report["page_table"])) == 5  # 45 + 32 positions, shuffled among the pool's pages
+    assert report["page_table"] != sorted(report["page_table"])
+    for key in ("date", "command", "torch", "transformers", "gpu", "numpy", "git_commit"):
+        assert key in report["environment"]
+    first = report["steps"][0]
+    assert 0 < first["max_abs_error"] < first["tolerance"]
+    assert first["tolerance"] == pytest.approx(check.tolerance(nanoqwen.load(models["untied"]).config,
+                                                               np.full(8, first["reference_rms"])))
+
+
+def test_tied_model_at_head_dim_128_passes(models, tmp_path):
+    code, report = run_tool(models["tied-gqa7"], tmp_path, "--prompt-tokens", "17", "--steps", "33")
+    assert code == 0, report["failures"]
+    assert len(report["steps"]) == 34
+
+
+def test_too_few_steps_fail(models, tmp_path):
+    code, report = run_tool(models["untied"], tmp_path, "--steps", "4")
+    assert code == 1 and len(report["failures"]) == 1 and "at least 32" in report["failures"][0]
+
+
+def test_wrong_logits_fail(models, tmp_path, monkeypatch):
+    decode = backend_numpy.NumpyBackend.decode
+
+    def off_by_one_position(self, token_id, position, page_table):  # a RoPE / cache-row bug
+        if position == 50:
+            position += 1
+        return decode(self, token_id, position, page_table)
+
+    monkeypatch.setattr(backend_numpy.NumpyBackend, "decode", off_by_one_position)
+    code, report = run_tool(models["untied"], tmp_path, "--no-poison")
+    assert code == 1
+    assert any("above tolerance at steps [6," in f for f in report["failures"]), report["failures"]
+
+
+def test_reading_an_unwritten_cache_row_fails(models, tmp_path, monkeypatch):
+    decode = backend_numpy.NumpyBackend.decode
+
+    def skips_a_write(self, token_id, position, page_table):
+        if position == 60:  # computes the token without storing its K/V, so position 61 reads poison
+            saved = self.kv_pool.copy()
+            logits = decode(self, token_id, position, page_table)
+            self.kv_pool[...] = saved
+            return logits
+        return decode(self, token_id, position, page_table)
+
+    monkeypatch.setattr(backend_numpy.NumpyBackend, "decode", skips_a_write)
+    code, report = run_tool(models["untied"], tmp_path)
+    assert code == 1
+    assert any("NaN" in f for f in report["failures"]), report["failures"]
+
+
+def test_greedy_generation_that_ignores_its_logits_fails(models, tmp_path, monkeypatch):
+    def wrong_argmax(self, token_id, position, page_table):
+        logits = self.decode(token_id, position, page_table)
+        return int(np.argsort(logits)[-2])  # the runner-up
+
+    monkeypatch.setattr(backend_numpy.NumpyBackend, "decode_greedy", wrong_argmax)
+    code, report = run_tool(models["untied"], tmp_path)
+    assert code == 1
+    assert len(report["failures"]) == 1 and "Engine.generate's token 1" in report["failures"][0]
+
+
+def record(step, margin, agree, tol=0.1, error=0.01):
+    return dict(step=step, max_abs_error=error, tolerance=tol, error_over_tolerance=error / tol, margin=margin,
+                reference_rms=1.0, reference_token=step, nanoqwen_token=step if agree else -1, nanoqwen_margin=1.0,
+                agree=agree, near_tie=margin <= 2 * tol)
+
+
+def test_verdict_forgives_disagreement_only_at_near_ties():
+    steps = 32
+    records = [record(s, 1.0, True) for s in range(steps + 1)]
+    tokens = list(range(steps + 1))
+    assert check.verdict(records, steps, tokens, tokens)[0] == []
+
+    records[5] = record(5, 0.15, False)  # margin below 2 x tolerance: a near-tie
+    failures, counts = check.verdict(records, steps, tokens[:5] + [-1] + tokens[6:], tokens)
+    assert failures == []
+    assert counts["disagreements"] == counts["disagreements_at_near_ties"] == 1
+    assert counts["generate_tokens_checked"] == 6
+
+    records[5] = record(5, 0.25, False)  # margin above 2 x tolerance: a real disagreement
+    failures, _ = check.verdict(records, steps, tokens[:5] + [-1] + tokens[6:], tokens)
+    assert len(failures) == 1 and "disagree at steps [5]" in failures[0]
+
+
+def test_bad_arguments_are_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        check.main(["--model", str(tmp_path / "missing.nanoqwen")])
+    assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (cuda_available() and torch.cuda.is_available()), reason="needs CuPy, a CUDA GPU and CUDA torch")
+def test_whole_run_passes_on_the_cuda_backend(models, tmp_path):
+    out = tmp_path / "check.json"
+    code = check.main(["--model", str(models["tied-gqa7"]), "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0, report["failures"]
+    assert report["environment"]["gpu"]
