@@ -53,6 +53,8 @@ GEMV_WARPS_PER_SM = 12
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
+ACTIVATIONS = ("fp16", "int8")
+GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
 
@@ -124,13 +126,16 @@ def _default_attention():
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True):
+    def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
+                 activations: str = "fp16"):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
         (default: nanoqwen.cuda_attention.PagedAttention). With `use_graph` (the default) decode
         replays one captured CUDA graph per token (nanoqwen.cuda_graph); without it, it launches
-        every kernel from Python.
+        every kernel from Python. `activations` picks the decode projections' input precision:
+        "fp16" (Path B, the default) or "int8" (Path A of chapter 7: each projection's input is
+        quantized to INT8 by a kernel of its own and multiplied with __dp4a; prefill is unchanged).
         """
         import cupy as cp
 
@@ -142,7 +147,10 @@ class CudaBackend:
                 f"the CUDA backend needs compute capability 8.0 or newer (mma.sync m16n8k16), "
                 f"GPU {device.id} has {device.compute_capability}"
             )
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self._cp = cp
+        self.activations = activations
         self.model = model
         self.config = c = model.config
         self.num_pages = int(num_pages)
@@ -174,6 +182,7 @@ class CudaBackend:
             self.kv_pool = cp.zeros(kv_pool_shape(c, self.num_pages), dtype=cp.float16)
             self._kv_layers = [self.kv_pool[i] for i in range(c.num_layers)]
             self._allocate_decode_buffers()
+            self.int8_layers = [self._int8_projections(layer) for layer in self.layers] if activations == "int8" else None
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.use_graph = use_graph
@@ -215,6 +224,15 @@ class CudaBackend:
             down=self._upload_linear([w.down]),
         )
 
+    def _int8_projections(self, layer: DeviceLayer) -> dict:
+        """Path A launchers for one layer's four projections, over the same device weights."""
+        from .int8_path import Int8Gemv
+
+        return {
+            name: Int8Gemv(self.config, linear.qweight, linear.scales, linear.bias)
+            for name, linear in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down))
+        }
+
     def _allocate_decode_buffers(self) -> None:
         cp, c = self._cp, self.config
         first = self.layers[0]
@@ -230,6 +248,7 @@ class CudaBackend:
         self.attn_out = cp.empty(c.q_dim, dtype=cp.float16)
         self.o_partials = cp.empty((first.o.splits, c.hidden_size), dtype=cp.float32)
         self.mlp_hidden = cp.empty(c.intermediate_size, dtype=cp.float16)
+        self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32)  # Path A only
         self.down_partials = cp.empty((first.down.splits, c.hidden_size), dtype=cp.float32)
         self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
@@ -269,12 +288,39 @@ class CudaBackend:
             (self.normed, self.lm_head, self.logits, self.candidate_values, self.candidate_indices),
         )
 
+    def _project(self, layer: int, name: str, x, partials):
+        """One decode projection of x; returns (output, number of partial sums in it).
+
+        Path B writes `splits` fp32 partial sums that the next kernel adds; Path A writes the
+        finished fp32 vector into the first row of the same buffer.
+        """
+        if self.int8_layers is None:
+            linear = getattr(self.layers[layer], name)
+            self._gemv(GEMV_KERNELS[name], linear, x, partials)
+            return partials, linear.splits
+        self.int8_layers[layer][name](x, partials[0])
+        return partials[0], 1
+
+    def _mlp_hidden(self, layer: int) -> None:
+        """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
+        c, w = self.config, self.layers[layer]
+        if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
+            self.kernels["gemv_int4_gate_up_silu"](
+                (-(-c.intermediate_size // TILE_ROWS),), (GEMV_THREADS,),
+                (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden),
+            )
+            return
+        self.int8_layers[layer]["gate_up"](self.normed, self.gate_up_out)
+        blocks = min(-(-c.intermediate_size // ELEMENTWISE_THREADS), self.num_sms * 8)
+        self.kernels["silu_mul_rows"]((blocks,), (ELEMENTWISE_THREADS,), (self.gate_up_out, self.mlp_hidden, np.int32(1)))
+
     @property
     def launches_per_token(self) -> int:
         """Kernel launches of one decode step, counting each attention.decode call as the
         number of launches it reports (`launches_per_decode`, default 1)."""
         attention = getattr(self.attention, "launches_per_decode", 1)
-        return 1 + self.config.num_layers * (7 + attention) + 3
+        per_layer = 7 if self.activations == "fp16" else 12  # Path A: a quantize launch per projection, SwiGLU apart
+        return 1 + self.config.num_layers * (per_layer + attention) + 3
 
     def decode_step_launches(self, stream) -> int:
         """Issue one decode step on `stream` from the inputs in `state`; returns the launch count.
@@ -290,19 +336,14 @@ class CudaBackend:
             partials, num_partials = self.down_partials, 0  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
                 self._add_rmsnorm(self.residual, partials, num_partials, H, layer.input_norm, self.normed, 1)
-                self._gemv("gemv_int4_from_hidden", layer.qkv, self.normed, self.qkv_partials)
-                self._rope_write_kv(self.qkv_partials, layer.qkv.splits, layer.qkv.out_features, self.position, i,
-                                    self.q, 1)
+                qkv, num_qkv = self._project(i, "qkv", self.normed, self.qkv_partials)
+                self._rope_write_kv(qkv, num_qkv, layer.qkv.out_features, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
-                self._gemv("gemv_int4_from_q_dim", layer.o, self.attn_out, self.o_partials)
-                self._add_rmsnorm(self.residual, self.o_partials, layer.o.splits, H, layer.post_norm, self.normed, 1)
-                k["gemv_int4_gate_up_silu"](
-                    (-(-c.intermediate_size // TILE_ROWS),), (GEMV_THREADS,),
-                    (layer.gate_up.qweight, layer.gate_up.scales, self.normed, self.mlp_hidden),
-                )
-                self._gemv("gemv_int4_from_intermediate", layer.down, self.mlp_hidden, self.down_partials)
-                partials, num_partials = self.down_partials, layer.down.splits
+                o, num_o = self._project(i, "o", self.attn_out, self.o_partials)
+                self._add_rmsnorm(self.residual, o, num_o, H, layer.post_norm, self.normed, 1)
+                self._mlp_hidden(i)
+                partials, num_partials = self._project(i, "down", self.mlp_hidden, self.down_partials)
             self._add_rmsnorm(self.residual, partials, num_partials, H, self.final_norm, self.normed, 1)
             self._lm_head()
             k["argmax_select_next"](

@@ -127,7 +127,7 @@ def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: i
 
 
 def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
-              baseline: bool = False, seed: int = 0, progress: bool = True) -> dict:
+              baseline: bool = False, seed: int = 0, activations: str = "fp16") -> dict:
     import cupy as cp
 
     from .engine import Engine
@@ -138,7 +138,8 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
     model = load(model_path)
     config = model.config
     context = prompt_tokens + new_tokens
-    engine = Engine(model, backend="cuda", max_context=min(config.max_position_embeddings, context + timing_steps))
+    engine = Engine(model, backend="cuda", max_context=min(config.max_position_embeddings, context + timing_steps),
+                    activations=activations)
     backend = engine.backend
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
     report = {
@@ -148,7 +149,8 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
         "versions": {"python": platform.python_version(), "cupy": cp.__version__, "numpy": np.__version__},
         "model": str(model_path),
         "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
-        "protocol": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "greedy": True, "repeats": repeats},
+        "protocol": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "greedy": True, "repeats": repeats,
+                     "activations": activations},
     }
 
     engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
@@ -184,12 +186,14 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
         from .cuda_graph import step_timeline
 
         backend.set_step_inputs(1, prompt_tokens, page_table)
-        timeline = step_timeline(backend)
-        busy_us = timeline[-1][2]
+        timeline, empty_us = step_timeline(backend)
+        attributed_us = timeline[-1][2]
         graph_us = report["step"]["graph_ms_per_step_gpu"] * 1e3
         report["step"].update(
-            back_to_back_us=busy_us,
-            idle_gap_us_per_launch=(graph_us - busy_us) / len(timeline),
+            attributed_us=attributed_us,
+            unattributed_us=graph_us - attributed_us,
+            empty_kernel_us_per_launch=empty_us,
+            idle_gap_us_per_launch=empty_us,
             kernels=kernel_table(timeline),
         )
         report["timeline"] = [(n, round(s, 2), round(e, 2)) for n, s, e in timeline]
@@ -208,7 +212,8 @@ def format_report(report: dict) -> str:
     e, s = report["end_to_end"], report.get("step", {})
     lines = [
         f"nanoqwen bench  {report['date']}  {report['gpu']}",
-        f"model {report['model']}  prompt {report['protocol']['prompt_tokens']}  new {report['protocol']['new_tokens']} (greedy)",
+        f"model {report['model']}  prompt {report['protocol']['prompt_tokens']}  new {report['protocol']['new_tokens']} "
+        f"(greedy, {report['protocol']['activations']} activations)",
         "",
         "| metric | value |",
         "| --- | ---: |",
@@ -223,8 +228,8 @@ def format_report(report: dict) -> str:
             f"| eager step (wall) | {s['eager_ms_per_token_wall']:.3f} ms |",
             f"| graph step (wall) | {s['graph_ms_per_token_wall']:.3f} ms |",
             f"| graph step (GPU events) | {s['graph_ms_per_step_gpu']:.3f} ms |",
-            f"| kernels back to back | {s['back_to_back_us']:.1f} us |",
-            f"| idle gap per launch in the graph | {s['idle_gap_us_per_launch']:.2f} us |",
+            f"| sum of per-kernel in-graph costs | {s['attributed_us']:.1f} us ({s['unattributed_us']:+.1f} us unattributed) |",
+            f"| empty kernel in a graph (gap floor) | {s['empty_kernel_us_per_launch']:.2f} us per launch |",
             "",
             "| kernel | launches | us per step | us per launch | share |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -246,6 +251,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", action="store_true", help="also time transformers on the same shapes (needs torch)")
+    p.add_argument("--activations", choices=("fp16", "int8"), default="fp16", help="decode projections' input precision")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
 
 
@@ -254,7 +260,8 @@ def main(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
         print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1", file=sys.stderr)
         return 2
-    report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed)
+    report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed,
+                       args.activations)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -147,6 +147,8 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
                    help="auto (default) takes CUDA when CuPy sees a GPU")
+    p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
+                   help="decode projections' input precision on the CUDA backend (chapter 7)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="KV cache capacity in tokens (default: the model's, at most 4096)")
 
@@ -176,7 +178,8 @@ def _model_path(model: str | None) -> Path:
 def _engine(args: argparse.Namespace):
     from .engine import Engine
 
-    return Engine(_model_path(args.model), backend=args.backend, max_context=args.max_context)
+    return Engine(_model_path(args.model), backend=args.backend, max_context=args.max_context,
+                  activations=args.activations)
 
 
 def _sampling(args: argparse.Namespace) -> dict:

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SPIN_SOURCE = r"""
-extern "C" __global__ void spin(long long cycles) {
-    // Hold the stream for `cycles` SM clocks, so the host can queue a whole step behind it.
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
+EMPTY_KERNEL = r"""
+extern "C" __global__ void empty_kernel() { }
 """
 
 
@@ -48,7 +44,7 @@ class DecodeGraph:
 
 
 class LaunchRecorder:
-    """Records the launches of one decode step by name, so each can be replayed or timed alone.
+    """Records the launches of one decode step by name, so that each can be re-issued alone.
 
     It wraps the backend's kernels and its attention object in place while active; on exit the
     originals are restored.
@@ -80,31 +76,77 @@ class LaunchRecorder:
         del self.backend.attention.decode  # the instance attribute hid the method
 
 
-def step_timeline(backend, spin_cycles: int = 40_000_000) -> list[tuple[str, float, float]]:
-    """Start and end (us) of every launch of one decode step, measured on the GPU.
+def _graph_time_us(stream, issue, replays: int) -> float:
+    """Median GPU time (us) of one replay of a graph capturing `issue()`."""
+    import statistics
 
-    A spin kernel (20-40 ms at Hopper's clocks) holds the stream while the host queues the whole step with an event between
-    launches; the GPU then runs the kernels back to back, as a graph would, and the events time
-    each one. Returns [(name, start_us, end_us)], starts relative to the first launch.
-    """
     import cupy as cp
 
+    with stream:
+        stream.begin_capture()
+        try:
+            issue()
+        finally:
+            graph = stream.end_capture()
+    graph.upload(stream)
+    graph.launch(stream)  # warm: first replays pay for instantiation and cold caches
+    times = []
+    for _ in range(replays):
+        begin, end = cp.cuda.Event(), cp.cuda.Event()
+        begin.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(begin, end) * 1e3)
+    return statistics.median(times)
+
+
+def launch_costs(backend, replays: int = 20) -> tuple[dict[str, float], list[str]]:
+    """In-graph cost (us per launch) of each kernel of one decode step, by kernel name.
+
+    All launches of one name (28 GEMVs over 28 layers' different weights, say) are captured
+    in step order into a graph of their own, so each reads its own bytes from HBM as in the
+    real step; the graph's time over its launch count is that kernel's cost, its share of the
+    gaps between launches included. A kernel launched once per step is captured four times.
+    The device state is restored before each graph, since argmax_select_next advances it.
+    """
     stream = backend.stream
     with LaunchRecorder(backend) as recorder:  # one eager step to learn the launch sequence
         backend.decode_step_launches(stream)
-    stream.synchronize()
-    spin = cp.RawKernel(SPIN_SOURCE, "spin")
-    events = [cp.cuda.Event() for _ in range(len(recorder.launches) + 1)]
     with stream:
-        spin((1,), (1,), (np.int64(spin_cycles),))
-        events[0].record(stream)
-        for (name, thunk), event in zip(recorder.launches, events[1:]):
-            thunk()
-            event.record(stream)
+        snapshot = backend.state.copy()
+    by_name: dict[str, list] = {}
+    for name, thunk in recorder.launches:
+        by_name.setdefault(name, []).append(thunk)
+    costs = {}
+    for name, thunks in by_name.items():
+        copies = 4 if len(thunks) == 1 else 1
+        with stream:
+            backend.state[...] = snapshot
+        total = _graph_time_us(stream, lambda: [t() for _ in range(copies) for t in thunks], replays)
+        costs[name] = total / (copies * len(thunks))
+    with stream:
+        backend.state[...] = snapshot
     stream.synchronize()
-    timeline, start = [], 0.0
-    for (name, _), before, after in zip(recorder.launches, events, events[1:]):
-        end = cp.cuda.get_elapsed_time(events[0], after) * 1e3
-        timeline.append((name, start, end))
-        start = end
-    return timeline
+    return costs, [name for name, _ in recorder.launches]
+
+
+def empty_launch_cost(stream, launches: int = 256, replays: int = 20) -> float:
+    """us per launch of an empty kernel inside a graph: the floor of the gap between kernels."""
+    import cupy as cp
+
+    kernel = cp.RawKernel(EMPTY_KERNEL, "empty_kernel")
+    return _graph_time_us(stream, lambda: [kernel((1,), (32,), ()) for _ in range(launches)], replays) / launches
+
+
+def step_timeline(backend) -> tuple[list[tuple[str, float, float]], float]:
+    """One decode step laid out in launch order, each launch as long as its in-graph cost.
+
+    Returns ([(name, start_us, end_us)], empty-kernel cost in us per launch).
+    """
+    costs, order = launch_costs(backend)
+    timeline, clock = [], 0.0
+    for name in order:
+        timeline.append((name, clock, clock + costs[name]))
+        clock += costs[name]
+    return timeline, empty_launch_cost(backend.stream, len(order))

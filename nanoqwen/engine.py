@@ -154,7 +154,9 @@ def cuda_available() -> bool:
         return False
 
 
-def make_backend(name: str, model: Model, num_pages: int) -> Backend:
+def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16") -> Backend:
+    if activations not in ("fp16", "int8"):
+        raise ValueError(f"activations must be 'fp16' or 'int8', got {activations!r}")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     if name == "auto":
@@ -162,6 +164,8 @@ def make_backend(name: str, model: Model, num_pages: int) -> Backend:
     if name == "numpy":
         from .backend_numpy import NumpyBackend
 
+        if activations != "fp16":
+            raise BackendUnavailableError("INT8 activations (chapter 7's Path A) exist on the CUDA backend only")
         return NumpyBackend(model, num_pages)
     if not cuda_available():
         raise BackendUnavailableError(
@@ -170,20 +174,21 @@ def make_backend(name: str, model: Model, num_pages: int) -> Backend:
         )
     from .backend_cuda import CudaBackend
 
-    return CudaBackend(model, num_pages)
+    return CudaBackend(model, num_pages, activations=activations)
 
 
 class Engine:
-    def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None):
+    def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,
+                 activations: str = "fp16"):
         self._owns_model = not isinstance(model_or_path, Model)
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
-            self._setup(backend, max_context)
+            self._setup(backend, max_context, activations)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, backend: str, max_context: int | None) -> None:
+    def _setup(self, backend: str, max_context: int | None, activations: str) -> None:
         self.config = self.model.config
         limit = self.config.max_position_embeddings
         if max_context is None:
@@ -192,7 +197,7 @@ class Engine:
             raise GenerationError(f"max_context must be an integer in 1..{limit} (the model's context), got {max_context!r}")
         self.max_context = int(max_context)
         self.allocator = PageAllocator(pages_needed(self.max_context))
-        self.backend = make_backend(backend, self.model, self.allocator.num_pages)
+        self.backend = make_backend(backend, self.model, self.allocator.num_pages, activations)
         self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files)
 
     def __repr__(self) -> str:
