@@ -6,7 +6,7 @@
 #   bash tools/gpu_session.sh book     graph tests, 7B bench for both activation paths,
 #                                      then every chapter under nbval (carry .whl: see book/running.md)
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # absolute: chapters run in chapters/
 OUT=${OUT:-/tmp/nanoqwen-out}
 mkdir -p "$OUT"
 MODEL_7B=/tmp/qwen2.5-coder-7b-random.nanoqwen
@@ -20,12 +20,11 @@ step() {  # step NAME SECONDS COMMAND...
   local rc=${PIPESTATUS[0]}
   status+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))")
 }
-random_7b() { python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b 2>&1 | tail -1; }
 
 case "${1:-checks}" in
   checks)
     step "graph tests (nano-coder)" 75 $PYTEST tests/test_cuda_graph.py
-    step "random 7B file" 60 random_7b
+    step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 150 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json" --baseline
     step "int8 vs fp16 bench" 70 python3 tools/bench_int8_vs_fp16.py --json "$OUT/int8_vs_fp16.json"
     step "int8 tests" 45 $PYTEST tests/test_int8_path.py
@@ -33,12 +32,11 @@ case "${1:-checks}" in
       --json "$OUT/check_7b.json"
     ;;
   book)
-    step "graph tests (nano-coder)" 60 $PYTEST tests/test_cuda_graph.py
-    step "random 7B file" 45 random_7b
+    step "random 7B file" 45 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B fp16" 60 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json"
     step "bench 7B int8" 60 python3 -m nanoqwen bench "$MODEL_7B" --activations int8 --json "$OUT/bench-7b-int8.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:. NANOQWEN_REQUIRE_GPU=1
+    export PYTHONPATH=/tmp/site:$PWD NANOQWEN_REQUIRE_GPU=1
     step "book under nbval" 200 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
     ;;
 esac
