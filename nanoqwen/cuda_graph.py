@@ -61,6 +61,11 @@ class LaunchRecorder:
         for name, kernel in self._kernels.items():
             backend.kernels[name] = self._wrap(name, kernel)
         backend.attention.decode = self._wrap("attention_decode", self._attention_decode)
+        # Path A's projections (chapter 7) launch kernels of their own.
+        self._int8 = [gemv for layer in (getattr(backend, "int8_layers", None) or ()) for gemv in layer.values()]
+        for gemv in self._int8:
+            gemv._quantize_kernel = self._wrap("quantize_activations_int8", gemv._quantize_kernel)
+            gemv._gemv_kernel = self._wrap("gemv_int4_int8", gemv._gemv_kernel)
         return self
 
     def _wrap(self, name, launch):
@@ -68,12 +73,16 @@ class LaunchRecorder:
             self.launches.append((name, lambda: launch(*args, **kwargs)))
             return launch(*args, **kwargs)
 
+        recorded.launch = launch  # the original, for __exit__
         return recorded
 
     def __exit__(self, *exc) -> None:
         self.backend.kernels.clear()
         self.backend.kernels.update(self._kernels)
         del self.backend.attention.decode  # the instance attribute hid the method
+        for gemv in self._int8:
+            gemv._quantize_kernel = gemv._quantize_kernel.launch
+            gemv._gemv_kernel = gemv._gemv_kernel.launch
 
 
 def _graph_time_us(stream, issue, replays: int) -> float:
