@@ -1,7 +1,8 @@
 """The CUDA backend: the Qwen2 forward pass as a fixed sequence of kernel launches.
 
 It implements the same protocol as `nanoqwen.backend_numpy.NumpyBackend` (see
-`nanoqwen.engine.Backend`) and computes the same numbers (ARCHITECTURE.md, "Numerics"), with
+`nanoqwen.engine.Backend`) and, with fp16 activations, computes the same numbers
+(ARCHITECTURE.md, "Numerics"; INT8 activations are chapter 7's approximation), with
 the kernels in kernels/ compiled for this model by `nanoqwen.cuda_build`.
 
 Decode, one token, every launch on `self.stream` (L = num_layers):
@@ -142,10 +143,12 @@ class CudaBackend:
         if not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         device = cp.cuda.Device()
-        if int(device.compute_capability) < 80:
-            raise RuntimeError(
-                f"the CUDA backend needs compute capability 8.0 or newer (mma.sync m16n8k16), "
-                f"GPU {device.id} has {device.compute_capability}"
+        if int(device.compute_capability) < 90:
+            from .engine import BackendUnavailableError
+
+            raise BackendUnavailableError(
+                f"the CUDA backend needs a Hopper GPU (compute capability 9.0: the attention kernels use "
+                f"cp.async.bulk and mbarrier transaction counts); GPU {device.id} has {device.compute_capability}"
             )
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
@@ -188,6 +191,7 @@ class CudaBackend:
         self.use_graph = use_graph
         self._graph = None  # captured at the first graph decode
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
+        self._pending = None  # the page table of the step in flight
         device.synchronize()  # uploads and attention's set-up may run on other streams
 
     # ------------------------------------------------------------------ setup
@@ -248,7 +252,7 @@ class CudaBackend:
         self.attn_out = cp.empty(c.q_dim, dtype=cp.float16)
         self.o_partials = cp.empty((first.o.splits, c.hidden_size), dtype=cp.float32)
         self.mlp_hidden = cp.empty(c.intermediate_size, dtype=cp.float16)
-        self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32)  # Path A only
+        self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32) if self.activations == "int8" else None
         self.down_partials = cp.empty((first.down.splits, c.hidden_size), dtype=cp.float32)
         self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
@@ -288,6 +292,10 @@ class CudaBackend:
             (self.normed, self.lm_head, self.logits, self.candidate_values, self.candidate_indices),
         )
 
+    def _elementwise_blocks(self, n: int) -> int:
+        """Grid of a grid-stride elementwise kernel over n items: enough blocks to fill the GPU."""
+        return min(-(-n // ELEMENTWISE_THREADS), self.num_sms * 8)
+
     def _project(self, layer: int, name: str, x, partials):
         """One decode projection of x; returns (output, number of partial sums in it).
 
@@ -311,8 +319,7 @@ class CudaBackend:
             )
             return
         self.int8_layers[layer]["gate_up"](self.normed, self.gate_up_out)
-        blocks = min(-(-c.intermediate_size // ELEMENTWISE_THREADS), self.num_sms * 8)
-        self.kernels["silu_mul_rows"]((blocks,), (ELEMENTWISE_THREADS,), (self.gate_up_out, self.mlp_hidden, np.int32(1)))
+        self.kernels["silu_mul_rows"]((self._elementwise_blocks(c.intermediate_size),), (ELEMENTWISE_THREADS,), (self.gate_up_out, self.mlp_hidden, np.int32(1)))
 
     @property
     def launches_per_token(self) -> int:
@@ -401,37 +408,46 @@ class CudaBackend:
             self._graph = DecodeGraph(self)
         return self._graph
 
+    def forget_step_inputs(self) -> None:
+        """Say the device state is unknown, so the next step uploads its inputs (call it after
+        running steps outside `decode`/`decode_greedy`, as the benchmarks do)."""
+        self._device_holds = None
+
     def _step(self, token_id: int, position: int, page_table) -> None:
         """Run one decode step for `token_id` at `position`.
 
         After a greedy step the device state already holds the chosen token and the next
         position (argmax_select_next wrote them), so the next step's inputs are uploaded only
-        when they differ: a sampled token, a new request, a different page table.
+        when they differ: a sampled token, a new request, a different page table. The inputs
+        are checked on the host every time, uploaded or not.
         """
-        holds = self._device_holds
-        if holds is None or holds[:2] != (token_id, position) or not np.array_equal(holds[2][: len(page_table)], page_table):
-            self.set_step_inputs(token_id, position, page_table)
+        token = int(self._check_tokens(np.array([token_id]))[0])
+        pages = self._check_positions(position, 1, page_table)
+        holds, self._device_holds = self._device_holds, None  # unknown until the step is read back
+        if holds is None or holds[:2] != (token, position) or not np.array_equal(holds[2][: len(pages)], pages):
+            self.set_step_inputs(token, position, pages)
+            holds, self._device_holds = self._device_holds, None
         if self.use_graph:
             self.decode_graph().launch()
         else:
             self.decode_step_launches(self.stream)
-
-    def _after_step(self, position: int) -> int:
-        token = int(self.token.get(stream=self.stream)[0])
-        self._device_holds = (token, position + 1, self._device_holds[2])
-        return token
+        self._pending = holds[2]
 
     def decode(self, token_id: int, position: int, page_table) -> np.ndarray:
-        """One token at `position` (its K/V is written there); logits [vocab] fp32."""
+        """One token at `position` (its K/V is written there); logits [vocab] fp32.
+
+        The caller samples the next token itself, so the device's greedy choice is not read
+        back and the next step uploads its inputs.
+        """
         self._step(token_id, position, page_table)
-        logits = self.logits.get(stream=self.stream)
-        self._after_step(position)
-        return logits
+        return self.logits.get(stream=self.stream)
 
     def decode_greedy(self, token_id: int, position: int, page_table) -> int:
         """The argmax of `decode`, computed on the device: only 4 bytes come back."""
         self._step(token_id, position, page_table)
-        return self._after_step(position)
+        token = int(self.token.get(stream=self.stream)[0])
+        self._device_holds = (token, position + 1, self._pending)
+        return token
 
     # ------------------------------------------------------------------ prefill
 
@@ -466,14 +482,14 @@ class CudaBackend:
             self._weight_scratch = cp.empty(largest, dtype=cp.float16)
         dense = self._weight_scratch[:size].reshape(linear.out_features, linear.in_features)
         words = size // 8
-        blocks = min(-(-words // ELEMENTWISE_THREADS), self.num_sms * 8)
+        blocks = self._elementwise_blocks(words)
         self.kernels["dequantize_int4_to_half"](
             (blocks,), (ELEMENTWISE_THREADS,),
             (linear.qweight, linear.scales, dense, np.int32(linear.out_features), np.int32(linear.in_features)),
         )
         return dense
 
-    def _prefill_chunk(self, token_ids: np.ndarray, start_pos: int) -> None:
+    def _prefill_chunk(self, token_ids: np.ndarray, start_pos: int, last: bool) -> None:
         cp, c, k = self._cp, self.config, self.kernels
         t, H = len(token_ids), c.hidden_size
         ids = cp.asarray(token_ids)
@@ -498,13 +514,13 @@ class CudaBackend:
             self._gemm(attn, self._expand(layer.o), delta, beta=0.0)
             self._add_rmsnorm(residual, delta, 1, t * H, layer.post_norm, normed, t)
             self._gemm(normed, self._expand(layer.gate_up), gate_up, beta=0.0)
-            blocks = min(-(-hidden.size // ELEMENTWISE_THREADS), self.num_sms * 8)
+            blocks = self._elementwise_blocks(hidden.size)
             k["silu_mul_rows"]((blocks,), (ELEMENTWISE_THREADS,), (gate_up, hidden, np.int32(t)))
             self._gemm(hidden, self._expand(layer.down), delta, beta=0.0)
             num_partials = 1
-        # Only the last token's logits are wanted: finish its row alone.
-        self._add_rmsnorm(residual[t - 1], delta[t - 1], 1, H, self.final_norm, self.normed, 1)
-        self._lm_head()
+        if last:  # only the prompt's last token needs logits: finish its row alone
+            self._add_rmsnorm(residual[t - 1], delta[t - 1], 1, H, self.final_norm, self.normed, 1)
+            self._lm_head()
 
     def prefill(self, token_ids, start_pos: int, page_table) -> np.ndarray:
         """Write K/V of `token_ids` [T] at start_pos.. into the cache; logits [vocab] of the last."""
@@ -514,5 +530,6 @@ class CudaBackend:
         with self.stream:
             self.page_table[: len(pages)].set(pages, stream=self.stream)
             for begin in range(0, len(token_ids), PREFILL_CHUNK):
-                self._prefill_chunk(token_ids[begin : begin + PREFILL_CHUNK], start_pos + begin)
+                self._prefill_chunk(token_ids[begin : begin + PREFILL_CHUNK], start_pos + begin,
+                                    last=begin + PREFILL_CHUNK >= len(token_ids))
             return self.logits.get(stream=self.stream)

@@ -126,43 +126,69 @@ def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: i
     }
 
 
-def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
-              baseline: bool = False, seed: int = 0, activations: str = "fp16") -> dict:
-    import cupy as cp
+TIMING_STEPS = 64  # decode steps each step-level timing runs past the prompt
 
-    from .engine import Engine
+
+def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
+              baseline: bool = False, seed: int = 0, activations: str = "fp16", command: str | None = None) -> dict:
+    """Measure `model_path` on the GPU (see the module docstring); returns the report dict."""
+    from .engine import BackendUnavailableError, Engine, cuda_available
     from .kvcache import pages_needed
     from .loader import load
 
-    timing_steps = 64
+    if not cuda_available():
+        raise BackendUnavailableError("nanoqwen bench measures the CUDA backend: it needs CuPy and a Hopper GPU")
+    import cupy as cp
+
     model = load(model_path)
     config = model.config
-    context = prompt_tokens + new_tokens
-    engine = Engine(model, backend="cuda", max_context=min(config.max_position_embeddings, context + timing_steps),
-                    activations=activations)
-    backend = engine.backend
-    ids = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
+    context = prompt_tokens + max(new_tokens, TIMING_STEPS + 1)
+    if context > config.max_position_embeddings:
+        model.close()
+        raise ValueError(
+            f"the protocol needs {context} positions (prompt {prompt_tokens} + {max(new_tokens, TIMING_STEPS + 1)}); "
+            f"the model allows {config.max_position_embeddings}"
+        )
     report = {
         "date": datetime.date.today().isoformat(),
         "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
-        "command": " ".join(["nanoqwen"] + sys.argv[1:]),
+        "command": command,
         "versions": {"python": platform.python_version(), "cupy": cp.__version__, "numpy": np.__version__},
         "model": str(model_path),
         "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
         "protocol": {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "greedy": True, "repeats": repeats,
                      "activations": activations},
     }
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
+    engine = None
+    try:
+        engine = Engine(model, backend="cuda", max_context=context, activations=activations)
+        report["end_to_end"] = _end_to_end(engine, ids, new_tokens, repeats)
+        report["step"], report["timeline"] = _step_costs(engine, ids, pages_needed(prompt_tokens + TIMING_STEPS + 1))
+    finally:
+        if engine is not None:
+            engine.close()
+        model.close()
+    if baseline:
+        try:
+            report["baseline"] = transformers_baseline(config, prompt_tokens, new_tokens, seed)
+        except Exception as e:  # the baseline is optional: report why it did not run
+            report["baseline"] = {"engine": "transformers", "error": f"{type(e).__name__}: {e}"}
+    return report
 
+
+def _end_to_end(engine, ids: list[int], new_tokens: int, repeats: int) -> dict:
+    """The user's view: engine.generate, timed by the engine itself."""
     engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
     runs = [engine.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[]) for _ in range(repeats)]
-    ttft = statistics.median(r.prefill_seconds for r in runs) * 1e3
-    decode_ms = statistics.median(r.decode_seconds / (len(r.token_ids) - 1) for r in runs) * 1e3
-    floor = bytes_per_token(config, prompt_tokens + new_tokens // 2)
+    decode_ms = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
+    floor = bytes_per_token(engine.config, len(ids) + new_tokens // 2)  # the run's mean context
     floor_bytes = sum(floor.values())
-    report["end_to_end"] = {
-        "time_to_first_token_ms": ttft,
+    return {
+        "time_to_first_token_ms": statistics.median(r.prefill_seconds for r in runs) * 1e3,
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
+        "byte_floor_context": len(ids) + new_tokens // 2,
         "byte_floor_per_token": floor,
         "byte_floor_total": floor_bytes,
         "achieved_GB_per_s": floor_bytes / decode_ms / 1e6,
@@ -171,41 +197,36 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
         "greedy_tokens_identical_across_repeats": all(r.token_ids == runs[0].token_ids for r in runs),
     }
 
-    # Step-level: eager launches against the captured graph, over the same pages.
-    page_table = engine.allocator.allocate(pages_needed(prompt_tokens + timing_steps + 1))
+
+def _step_costs(engine, ids: list[int], pages: int):
+    """One decode step: eager launches against the captured graph, and per-kernel costs."""
+    from .cuda_graph import step_timeline
+
+    backend, prompt_tokens = engine.backend, len(ids)
+    page_table = engine.allocator.allocate(pages)
     try:
-        engine.backend.prefill(np.array(ids, dtype=np.int32), 0, page_table)
+        backend.prefill(np.array(ids, dtype=np.int32), 0, page_table)
         eager = lambda: backend.decode_step_launches(backend.stream)  # noqa: E731
         graph = backend.decode_graph()
-        report["step"] = {
+        step = {
             "launches_per_token": backend.launches_per_token,
-            "eager_ms_per_token_wall": time_host_loop(backend, eager, timing_steps, prompt_tokens, page_table),
-            "graph_ms_per_token_wall": time_host_loop(backend, graph.launch, timing_steps, prompt_tokens, page_table),
-            "graph_ms_per_step_gpu": time_decode_steps(backend, graph.launch, timing_steps, prompt_tokens, page_table),
+            "eager_ms_per_token_wall": time_host_loop(backend, eager, TIMING_STEPS, prompt_tokens, page_table),
+            "graph_ms_per_token_wall": time_host_loop(backend, graph.launch, TIMING_STEPS, prompt_tokens, page_table),
+            "graph_ms_per_step_gpu": time_decode_steps(backend, graph.launch, TIMING_STEPS, prompt_tokens, page_table),
         }
-        from .cuda_graph import step_timeline
-
         backend.set_step_inputs(1, prompt_tokens, page_table)
         timeline, empty_us = step_timeline(backend)
-        attributed_us = timeline[-1][2]
-        graph_us = report["step"]["graph_ms_per_step_gpu"] * 1e3
-        report["step"].update(
-            attributed_us=attributed_us,
-            unattributed_us=graph_us - attributed_us,
-            empty_kernel_us_per_launch=empty_us,
-            idle_gap_us_per_launch=empty_us,
-            kernels=kernel_table(timeline),
-        )
-        report["timeline"] = [(n, round(s, 2), round(e, 2)) for n, s, e in timeline]
     finally:
+        backend.forget_step_inputs()  # the timings advanced the device state behind the engine's back
         engine.allocator.free(page_table)
-    engine.close()
-    if baseline:
-        try:
-            report["baseline"] = transformers_baseline(config, prompt_tokens, new_tokens, seed)
-        except Exception as e:  # the baseline is optional: report why it did not run
-            report["baseline"] = {"engine": "transformers", "error": f"{type(e).__name__}: {e}"}
-    return report
+    attributed_us = timeline[-1][2]
+    step.update(
+        attributed_us=attributed_us,
+        unattributed_us=step["graph_ms_per_step_gpu"] * 1e3 - attributed_us,
+        empty_kernel_us_per_launch=empty_us,
+        kernels=kernel_table(timeline),
+    )
+    return step, [(n, round(s, 2), round(e, 2)) for n, s, e in timeline]
 
 
 def format_report(report: dict) -> str:
@@ -261,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
         print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1", file=sys.stderr)
         return 2
     report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed,
-                       args.activations)
+                       args.activations, command=" ".join(["nanoqwen"] + sys.argv[1:]))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

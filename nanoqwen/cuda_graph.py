@@ -25,19 +25,34 @@ extern "C" __global__ void empty_kernel() { }
 """
 
 
+def capture(stream, issue):
+    """A CUDA graph of the launches `issue()` makes on `stream`, uploaded and ready to launch.
+
+    If `issue` fails, the capture is ended and the original error raised (ending an
+    invalidated capture raises an error of its own, which would otherwise hide the cause).
+    """
+    with stream:
+        stream.begin_capture()
+        try:
+            issue()
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
+        graph = stream.end_capture()
+    graph.upload(stream)
+    return graph
+
+
 class DecodeGraph:
     """`backend.decode_step_launches` captured once on `backend.stream`; `launch()` replays it."""
 
     def __init__(self, backend):
-        stream = backend.stream
-        with stream:
-            stream.begin_capture()
-            try:
-                self.launches = backend.decode_step_launches(stream)
-            finally:
-                graph = stream.end_capture()
-        graph.upload(stream)
-        self.graph, self.stream = graph, stream
+        self.stream = backend.stream
+        self.launches = backend.launches_per_token
+        self.graph = capture(self.stream, lambda: backend.decode_step_launches(self.stream))
 
     def launch(self) -> None:
         self.graph.launch(self.stream)
@@ -58,6 +73,7 @@ class LaunchRecorder:
         backend = self.backend
         self._kernels = dict(backend.kernels)
         self._attention_decode = backend.attention.decode
+        self._decode_was_instance_attribute = "decode" in vars(backend.attention)
         for name, kernel in self._kernels.items():
             backend.kernels[name] = self._wrap(name, kernel)
         backend.attention.decode = self._wrap("attention_decode", self._attention_decode)
@@ -79,7 +95,10 @@ class LaunchRecorder:
     def __exit__(self, *exc) -> None:
         self.backend.kernels.clear()
         self.backend.kernels.update(self._kernels)
-        del self.backend.attention.decode  # the instance attribute hid the method
+        if self._decode_was_instance_attribute:
+            self.backend.attention.decode = self._attention_decode
+        else:
+            del self.backend.attention.decode  # ours hid the class's method
         for gemv in self._int8:
             gemv._quantize_kernel = gemv._quantize_kernel.launch
             gemv._gemv_kernel = gemv._gemv_kernel.launch
@@ -91,13 +110,7 @@ def _graph_time_us(stream, issue, replays: int) -> float:
 
     import cupy as cp
 
-    with stream:
-        stream.begin_capture()
-        try:
-            issue()
-        finally:
-            graph = stream.end_capture()
-    graph.upload(stream)
+    graph = capture(stream, issue)
     graph.launch(stream)  # warm: first replays pay for instantiation and cold caches
     times = []
     for _ in range(replays):
@@ -117,13 +130,14 @@ def launch_costs(backend, replays: int = 20) -> tuple[dict[str, float], list[str
     in step order into a graph of their own, so each reads its own bytes from HBM as in the
     real step; the graph's time over its launch count is that kernel's cost, its share of the
     gaps between launches included. A kernel launched once per step is captured four times.
-    The device state is restored before each graph, since argmax_select_next advances it.
+    The device state as it was before the call is restored before each graph (argmax_select_next
+    advances it) and at the end; K/V rows at the state's position are overwritten.
     """
     stream = backend.stream
-    with LaunchRecorder(backend) as recorder:  # one eager step to learn the launch sequence
-        backend.decode_step_launches(stream)
     with stream:
         snapshot = backend.state.copy()
+    with LaunchRecorder(backend) as recorder:  # one eager step to learn the launch sequence
+        backend.decode_step_launches(stream)
     by_name: dict[str, list] = {}
     for name, thunk in recorder.launches:
         by_name.setdefault(name, []).append(thunk)
@@ -137,6 +151,7 @@ def launch_costs(backend, replays: int = 20) -> tuple[dict[str, float], list[str
     with stream:
         backend.state[...] = snapshot
     stream.synchronize()
+    backend.forget_step_inputs()
     return costs, [name for name, _ in recorder.launches]
 
 
