@@ -37,15 +37,22 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t) or t < 0:
             raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise GenerationError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0 < p <= 1:
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 < p <= 1:
             raise GenerationError(f"top_p must be a number in (0, 1] (1 = no nucleus filter), got {p!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise GenerationError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        # Plain Python numbers from here on: numpy's unsigned and fixed-width scalars overflow or
+        # refuse mixed arithmetic (np.uint64(5) - 1 is a float64), Python's do neither.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -63,16 +70,22 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         if not np.isfinite(logits[best]):  # argmax returns the first NaN if there is one
             raise FloatingPointError(f"logits are not finite (argmax hit {logits[best]})")
         return best
-    scaled = np.asarray(logits, dtype=np.float64) / params.temperature
+    logits = np.asarray(logits, dtype=np.float64)
+    top = np.max(logits)  # NaN if any logit is NaN
+    if not np.isfinite(top):
+        raise FloatingPointError(f"logits hold NaN or +inf (max {top}): cannot sample")
+    # Subtract the max before dividing: every scaled logit is then <= 0, so a tiny temperature
+    # (1e-310) sends the others to -inf, not the top one to +inf (and inf - inf = NaN).
+    scaled = logits - top
+    with np.errstate(over="ignore"):
+        scaled /= params.temperature
     candidates = np.arange(scaled.shape[0])
     if 0 < params.top_k < scaled.shape[0]:
         candidates = np.argpartition(scaled, -params.top_k)[-params.top_k :]
     # Most likely first; the stable sort keeps ties in id order, so a seed replays exactly.
     candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
-    probs = np.exp(scaled[candidates] - scaled[candidates[0]])
+    probs = np.exp(scaled[candidates])  # the best is exp(0) = 1: no overflow, no all-zero row
     probs /= probs.sum()
-    if not np.isfinite(probs).all():
-        raise FloatingPointError("logits hold NaN or +inf: cannot sample")
     if params.top_p < 1:
         # The nucleus: the shortest prefix whose mass reaches top_p (at least one token).
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1

@@ -91,3 +91,30 @@ def test_nan_logits_raise():
         sample(logits, SamplingParams(), None)
     with pytest.raises(FloatingPointError):
         sample(logits, SamplingParams(temperature=1.0), np.random.default_rng(0))
+
+
+def test_tiny_temperature_is_greedy_without_overflow():
+    logits = np.array([1.0, 3.0, 2.0, 2.999], np.float32)
+    rng = np.random.default_rng(0)
+    with np.errstate(invalid="raise"):  # an inf - inf on the way would be a NaN
+        picks = {sample(logits, SamplingParams(temperature=1e-310), rng) for _ in range(20)}
+    assert picks == {1}
+
+
+def test_numpy_integer_arguments_become_python_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.uint64(2), top_p=np.float16(1), seed=np.uint32(7))
+    assert (type(params.temperature), type(params.top_k), type(params.top_p), type(params.seed)) == (float, int, float, int)
+    assert params.top_k == 2 and params.seed == 7
+    logits = np.array([0.0, 5.0, 4.9, -3.0])
+    draws = [sample(logits, params, params.rng()) for _ in range(5)]
+    assert set(draws) <= {1, 2}
+    for bad in (dict(top_k=np.int64(-1)), dict(seed=np.int8(-2)), dict(top_k=np.float64(2)), dict(seed=np.bool_(True))):
+        with pytest.raises(GenerationError):
+            SamplingParams(**bad)
+
+
+def test_infinite_logits_raise():
+    with pytest.raises(FloatingPointError):
+        sample(np.array([0.0, np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
+    with pytest.raises(FloatingPointError):
+        sample(np.array([-np.inf, -np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
