@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, ModelConfig
+from .config import GROUP_SIZE, ConfigError, ModelConfig
 from .format import (
     ALIGNMENT,
     CONFIG_FIELDS,
@@ -214,6 +214,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
         if values["tie_word_embeddings"] not in (0, 1):
             raise ConfigError(f"tie_word_embeddings is {values['tie_word_embeddings']}, not 0 or 1")
         values["tie_word_embeddings"] = bool(values["tie_word_embeddings"])
+        if values["group_size"] != GROUP_SIZE:  # the packing, the format and every kernel assume it
+            raise ConfigError(f"group_size is {values['group_size']}, the format requires {GROUP_SIZE}")
         config = ModelConfig(**values)
     except (ConfigError, TypeError) as e:
         raise fail(f"invalid model configuration in header: {e}") from e
@@ -271,6 +273,16 @@ def _validate(path: Path, mapping, size: int) -> Model:
     for name, (code, shape, _) in tensors.items():
         if name not in expected and not (name.startswith(TOKENIZER_PREFIX) and DTYPE_NAMES[code] == "u8" and len(shape) == 1):
             raise fail(f"unexpected tensor {name!r}")
+
+    # The tokenizer blobs are small (a few MB for Qwen) and parsed at every load, so their
+    # CRC-32 is checked every time: a flipped byte is a format error, not a parser's error.
+    # The memoryviews are released before any error, so a rejected file leaves no export.
+    for name, (code, shape, offset) in tensors.items():
+        if name.startswith(TOKENIZER_PREFIX):
+            with memoryview(mapping) as whole, whole[offset : offset + shape[0]] as blob:
+                crc = zlib.crc32(blob)
+            if crc != crcs[name]:
+                raise fail(f"tensor {name!r} fails its CRC-32 check (data corrupted)")
 
     views = {}
     for name, (code, shape, offset) in tensors.items():
