@@ -12,19 +12,22 @@ import numpy as np
 
 from . import ops_numpy as ops
 from .config import PAGE_SIZE
-from .kvcache import kv_pool_shape
+from .kvcache import check_positions, check_tokens, kv_pool_shape
 from .loader import LayerWeights, Model
 from .quant import dequantize_int4
+from .sampling import SamplingParams, sample
 
-# fp32 copies of the INT4 weights cost 8x their packed size. Below this budget they are made
-# once (a tiny test model decodes in milliseconds); above it (a 7B model would need ~28 GB)
-# each projection is dequantized when it runs, so large models work, slowly.
+# fp32 copies of the INT4 weights cost 8x their packed size, of the fp16 lm_head 2x. Below
+# this budget they are made once (a tiny test model decodes in milliseconds); above it (a 7B
+# model would need ~28 GB) each projection is dequantized when it runs, so large models work,
+# slowly. The projections get the budget first, the lm_head what is left.
 WEIGHT_CACHE_BYTES = 2 * 2**30
 # Prefill runs in chunks so attention's [heads, T, S] score matrix stays small for long
 # prompts; chunks are exact because each chunk reads earlier positions back from the cache.
 PREFILL_CHUNK = 512
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+GREEDY = SamplingParams()
 
 
 class NumpyBackend:
@@ -34,6 +37,8 @@ class NumpyBackend:
         self.model = model
         self.config = model.config
         self.num_pages = num_pages
+        # The most positions one sequence may hold: the model's context or the pool, if smaller.
+        self.max_seq_len = min(self.config.max_position_embeddings, num_pages * PAGE_SIZE)
         self.layers: list[LayerWeights] = [model.layer(i) for i in range(self.config.num_layers)]
         # Zeros cost nothing until touched (the OS maps pages lazily); nothing reads a row
         # before its sequence wrote it, which the tests check by poisoning the pool with NaN.
@@ -47,6 +52,11 @@ class NumpyBackend:
                 for p in PROJECTIONS:
                     linear = getattr(layer, p)
                     self._dense[i, p] = dequantize_int4(linear.qweight, linear.scales)
+        lm_head = model.lm_head
+        cached_bytes = dense_bytes if self.weights_cached else 0
+        self._lm_head_fp32 = None
+        if cached_bytes + 4 * lm_head.size <= weight_cache_bytes:
+            self._lm_head_fp32 = lm_head.astype(np.float32)  # [vocab, H]
 
     def _linear(self, x: np.ndarray, layer: int, projection: str) -> np.ndarray:
         linear = getattr(self.layers[layer], projection)
@@ -73,43 +83,42 @@ class NumpyBackend:
         mlp = ops.silu_mul(self._linear(h, i, "gate"), self._linear(h, i, "up"))  # [T, I] fp16
         return ops.add_rmsnorm(x, self._linear(mlp, i, "down"), next_norm, c.rms_norm_eps)
 
-    def _forward(self, token_ids: np.ndarray, positions: np.ndarray, page_table: np.ndarray) -> np.ndarray:
-        """Run tokens at `positions` through every layer; logits [vocab] fp32 of the last one."""
+    def _forward(self, token_ids: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
+                 logits: bool = True) -> np.ndarray | None:
+        """Run tokens at `positions` through every layer; logits [vocab] fp32 of the last one.
+
+        With logits=False only the cache is written (a prefill chunk before the last).
+        """
         c = self.config
         x = ops.embed(token_ids, self.model.embed)  # [T, H] fp32
         h = ops.rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)  # [T, H] fp16
         for i in range(c.num_layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < c.num_layers else self.model.final_norm
             x, h = self._layer(i, x, h, positions, page_table, next_norm)
-        return ops.fp16_linear(h[-1:], self.model.lm_head)[0]  # [vocab] fp32
+        if not logits:
+            return None
+        return ops.fp16_linear(h[-1:], self.model.lm_head if self._lm_head_fp32 is None else self._lm_head_fp32)[0]
 
-    def _check(self, first: int, count: int, page_table: np.ndarray) -> np.ndarray:
-        page_table = np.asarray(page_table, dtype=np.int32)
-        if first < 0 or (first + count - 1) // PAGE_SIZE >= len(page_table):
-            raise ValueError(
-                f"positions {first}..{first + count - 1} need {(first + count - 1) // PAGE_SIZE + 1} pages, "
-                f"the page table has {len(page_table)}"
-            )
-        if len(page_table) and not (0 <= page_table.min() and page_table.max() < self.num_pages):
-            raise ValueError(f"page table holds ids outside 0..{self.num_pages - 1}")
-        return page_table
+    def _check(self, token_ids, first: int, page_table) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and page table as int32, checked as the CUDA backend checks them."""
+        token_ids = check_tokens(token_ids, self.config.vocab_size)
+        return token_ids, check_positions(first, len(token_ids), page_table, self.num_pages, self.max_seq_len)
 
     def prefill(self, token_ids: np.ndarray, start_pos: int, page_table: np.ndarray) -> np.ndarray:
         """Write K/V of `token_ids` [T] at start_pos.. into the cache; logits of the last token."""
-        token_ids = np.asarray(token_ids, dtype=np.int32)
-        if token_ids.ndim != 1 or len(token_ids) == 0:
-            raise ValueError(f"prefill needs a 1-D array of at least one token id, got shape {token_ids.shape}")
-        page_table = self._check(start_pos, len(token_ids), page_table)
+        token_ids, page_table = self._check(token_ids, start_pos, page_table)
         for begin in range(0, len(token_ids), PREFILL_CHUNK):
             chunk = token_ids[begin : begin + PREFILL_CHUNK]
             positions = np.arange(start_pos + begin, start_pos + begin + len(chunk))
-            logits = self._forward(chunk, positions, page_table)
+            last = begin + PREFILL_CHUNK >= len(token_ids)
+            logits = self._forward(chunk, positions, page_table, logits=last)
         return logits
 
     def decode(self, token_id: int, position: int, page_table: np.ndarray) -> np.ndarray:
         """One token at `position` (its K/V is written there); logits [vocab] fp32."""
-        page_table = self._check(position, 1, page_table)
-        return self._forward(np.array([token_id], dtype=np.int32), np.array([position]), page_table)
+        token_ids, page_table = self._check([token_id], position, page_table)
+        return self._forward(token_ids, np.array([position]), page_table)
 
     def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
-        return int(np.argmax(self.decode(token_id, position, page_table)))
+        """argmax of `decode`; non-finite logits raise FloatingPointError, as `sample` does."""
+        return sample(self.decode(token_id, position, page_table), GREEDY, rng=None)

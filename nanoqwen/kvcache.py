@@ -19,7 +19,16 @@ import numpy as np
 
 from .config import PAGE_SIZE, ModelConfig
 
-__all__ = ["PAGE_SIZE", "KVCacheFullError", "PageAllocator", "kv_pool_shape", "kv_bytes_per_token", "pages_needed"]
+__all__ = [
+    "PAGE_SIZE",
+    "KVCacheFullError",
+    "PageAllocator",
+    "check_positions",
+    "check_tokens",
+    "kv_bytes_per_token",
+    "kv_pool_shape",
+    "pages_needed",
+]
 
 
 class KVCacheFullError(RuntimeError):
@@ -83,3 +92,56 @@ class PageAllocator:
             raise ValueError(f"pages {unknown or pages} are not allocated (double free?)")
         self._in_use.difference_update(pages)
         self._free.extend(reversed(pages))
+
+
+# ---- the checks every backend runs on its inputs, before any kernel reads an index ----
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_tokens(token_ids, vocab_size: int) -> np.ndarray:
+    """`token_ids` as int32 [T], after checking it is a 1-D integer array of ids in 0..vocab_size-1.
+
+    An id outside the vocabulary would index past the embedding table: on the GPU that reads
+    other memory silently, so both backends refuse it here with the same message.
+    """
+    token_ids = np.asarray(token_ids)
+    if token_ids.ndim != 1 or len(token_ids) == 0 or not np.issubdtype(token_ids.dtype, np.integer):
+        raise ValueError(
+            f"expected a 1-D integer array of at least one token id, got {token_ids.dtype}{list(token_ids.shape)}"
+        )
+    if token_ids.min() < 0 or token_ids.max() >= vocab_size:
+        raise ValueError(f"token ids must lie in 0..{vocab_size - 1}, got {int(token_ids.min())}..{int(token_ids.max())}")
+    return token_ids.astype(np.int32)
+
+
+def check_positions(first: int, count: int, page_table, num_pages: int, max_seq_len: int) -> np.ndarray:
+    """The page table as int32 [pages], after checking it can hold positions first..first+count-1.
+
+    `num_pages` is the pool's size and `max_seq_len` the most positions one sequence may have
+    (the smaller of the model's context and the backend's capacity). The table must be a 1-D
+    integer array of distinct page ids in 0..num_pages-1, long enough for the last position and
+    no longer than a `max_seq_len`-token sequence needs (the GPU's state buffer is that long).
+    """
+    if not (_is_int(first) and _is_int(count)) or count < 1:
+        raise ValueError(f"positions need an integer start and a count >= 1, got first={first!r}, count={count!r}")
+    first, count = int(first), int(count)
+    page_table = np.asarray(page_table)
+    if page_table.ndim != 1 or not np.issubdtype(page_table.dtype, np.integer):
+        raise ValueError(f"page_table must be a 1-D integer array, got {page_table.dtype}{list(page_table.shape)}")
+    last = first + count - 1
+    if first < 0 or last >= max_seq_len:
+        raise ValueError(f"positions {first}..{last} outside 0..{max_seq_len - 1} (the backend's maximum)")
+    needed = last // PAGE_SIZE + 1
+    if not needed <= len(page_table) <= pages_needed(max_seq_len):
+        raise ValueError(
+            f"positions {first}..{last} need {needed} pages; the page table has {len(page_table)} "
+            f"(at most {pages_needed(max_seq_len)})"
+        )
+    if page_table.min() < 0 or page_table.max() >= num_pages:
+        raise ValueError(f"page table holds ids outside 0..{num_pages - 1}")
+    if len(np.unique(page_table)) != len(page_table):  # two positions would share one cache row
+        raise ValueError("page table names a page twice")
+    return page_table.astype(np.int32)
