@@ -39,6 +39,7 @@ __all__ = [
     "Stream",
     "TokenPiece",
     "cuda_available",
+    "cuda_unavailable_reason",
     "make_backend",
 ]
 
@@ -142,16 +143,36 @@ class Stream:
         self.close()
 
 
-def cuda_available() -> bool:
-    """True when CuPy imports, sees a GPU, and the CUDA backend module exists."""
-    if importlib.util.find_spec("cupy") is None or importlib.util.find_spec("nanoqwen.backend_cuda") is None:
-        return False
+# The attention kernels use cp.async.bulk copies and mbarrier transaction counts: Hopper (9.0) on.
+MIN_COMPUTE_CAPABILITY = 90
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, or None when it can."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install 'nanoqwen[cuda12]' or '[cuda13]')"
+    if importlib.util.find_spec("nanoqwen.backend_cuda") is None:
+        return "this nanoqwen has no nanoqwen.backend_cuda module"
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # CuPy raises its own error types when the driver or device is missing
-        return False
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "CuPy sees no NVIDIA GPU"
+        capability = int(cupy.cuda.Device(0).compute_capability)  # "90" on an H100/H200
+    except Exception as e:  # CuPy raises its own error types when the driver or device is missing
+        return f"CuPy cannot reach a GPU ({type(e).__name__}: {e})"
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return (
+            f"GPU 0 has compute capability {capability // 10}.{capability % 10}; the CUDA backend needs "
+            f"{MIN_COMPUTE_CAPABILITY // 10}.0 or newer (Hopper: its attention kernels use cp.async.bulk "
+            "and mbarrier transaction counts)"
+        )
+    return None
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports, sees a Hopper-or-newer GPU, and the CUDA backend module exists."""
+    return cuda_unavailable_reason() is None
 
 
 def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16") -> Backend:
@@ -167,11 +188,9 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
         if activations != "fp16":
             raise BackendUnavailableError("INT8 activations (chapter 7's Path A) exist on the CUDA backend only")
         return NumpyBackend(model, num_pages)
-    if not cuda_available():
-        raise BackendUnavailableError(
-            "backend 'cuda' needs CuPy (pip install 'nanoqwen[cuda12]' or '[cuda13]'), a visible NVIDIA GPU "
-            "and nanoqwen.backend_cuda; use --backend numpy to run on the CPU"
-        )
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend 'cuda' cannot run here: {reason}; use --backend numpy to run on the CPU")
     from .backend_cuda import CudaBackend
 
     return CudaBackend(model, num_pages, activations=activations)
@@ -181,6 +200,8 @@ class Engine:
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,
                  activations: str = "fp16"):
         self._owns_model = not isinstance(model_or_path, Model)
+        self._closed = False
+        self.backend = None
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
             self._setup(backend, max_context, activations)
@@ -197,16 +218,26 @@ class Engine:
             raise GenerationError(f"max_context must be an integer in 1..{limit} (the model's context), got {max_context!r}")
         self.max_context = int(max_context)
         self.allocator = PageAllocator(pages_needed(self.max_context))
+        # The tokenizer first: a corrupt blob should fail in milliseconds, not after a GPU upload.
+        self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files, source=str(self.model.path))
         self.backend = make_backend(backend, self.model, self.allocator.num_pages, activations)
-        self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files)
 
     def __repr__(self) -> str:
+        if self._closed:
+            return f"Engine({str(self.model.path)!r}, closed)"
         return f"Engine({self.model!r}, backend={self.backend.name!r}, max_context={self.max_context})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GenerationError("engine is closed")
 
     # ---- building a request: every check happens here, before any page is taken ----
 
     def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None) -> list[int]:
         """Token ids for a text prompt, a list of chat messages, or token ids (checked)."""
+        self._check_open()
+        if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
+            raise GenerationError("empty conversation: chat needs at least one message")
         if isinstance(prompt, str) or _is_messages(prompt):
             if self.tokenizer is None:
                 raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids")
@@ -240,6 +271,7 @@ class Engine:
         return [int(i) for i in array]
 
     def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix) -> _Request:
+        self._check_open()
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -271,6 +303,7 @@ class Engine:
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
         finish_reason, timings = "length", [0.0, 0.0]
         try:
+            self._check_open()
             start = time.perf_counter()
             token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, rng)
             timings[0] = time.perf_counter() - start
@@ -282,6 +315,7 @@ class Engine:
                 yield TokenPiece(token, decoder.push(token) if decoder else "")
                 if step + 1 == request.max_new_tokens:
                     break
+                self._check_open()  # a stream may outlive close(); its backend is gone then
                 start = time.perf_counter()
                 position = prompt_len + step  # where `token` goes in the cache
                 if sampling.greedy:
@@ -291,6 +325,11 @@ class Engine:
                 timings[1] += time.perf_counter() - start
             if decoder and (rest := decoder.flush()):
                 yield TokenPiece(None, rest)
+        except FloatingPointError as e:
+            raise GenerationError(
+                f"the model computed non-finite logits ({e}); {self.model.path} may be corrupt: "
+                f"check it with `nanoqwen inspect --verify {self.model.path}`"
+            ) from e
         finally:
             self.allocator.free(page_table)
         request.result = GenerationResult(
@@ -331,6 +370,16 @@ class Engine:
         return request.result
 
     def close(self) -> None:
+        """Release the backend (its device memory) and, if the engine opened it, the model file.
+
+        Idempotent; afterwards every request raises GenerationError("engine is closed").
+        """
+        if self._closed:
+            return
+        self._closed = True
+        backend, self.backend = self.backend, None
+        if backend is not None and callable(getattr(backend, "close", None)):
+            backend.close()
         if self._owns_model:
             self.model.close()
 
@@ -342,6 +391,5 @@ class Engine:
 
 
 def _is_messages(prompt) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 and all(
-        isinstance(m, Mapping) for m in prompt
-    )
+    """A conversation: a list holding a dict (the tokenizer then checks every message)."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and any(isinstance(m, Mapping) for m in prompt)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import tokenizers
 
+from .loader import TOKENIZER_PREFIX, NanoqwenFormatError
 from .sampling import GenerationError
 
 __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer"]
@@ -47,17 +48,47 @@ class Tokenizer:
         self.chat_template = self.config.get("chat_template") or CHATML_TEMPLATE
         if not isinstance(self.chat_template, str):
             # Some configs list several named templates; the one called "default" is the chat one.
-            templates = {t["name"]: t["template"] for t in self.chat_template}
+            try:
+                templates = {t["name"]: t["template"] for t in self.chat_template}
+            except (TypeError, KeyError):
+                raise GenerationError("chat_template must be a string or a list of {name, template} objects") from None
             self.chat_template = templates.get("default", CHATML_TEMPLATE)
         self._template = None
 
     @classmethod
-    def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer | None:
-        """From the blobs of a .nanoqwen (`Model.tokenizer_files`); None if it has no tokenizer."""
+    def from_files(cls, files: Mapping[str, bytes], source: str = "model file") -> Tokenizer | None:
+        """From the blobs of a .nanoqwen (`Model.tokenizer_files`); None if it has no tokenizer.
+
+        A blob that is not UTF-8 JSON of the expected kind raises NanoqwenFormatError naming
+        `source` (the file's path) and the blob.
+        """
         if TOKENIZER_JSON not in files:
             return None
-        config = json.loads(files[TOKENIZER_CONFIG_JSON]) if TOKENIZER_CONFIG_JSON in files else {}
-        return cls(files[TOKENIZER_JSON].decode("utf-8"), config)
+
+        def fail(name: str, problem) -> NanoqwenFormatError:
+            return NanoqwenFormatError(f"{source}: tokenizer blob '{TOKENIZER_PREFIX}{name}' is corrupt: {problem}")
+
+        def text(name: str) -> str:
+            try:
+                return files[name].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise fail(name, f"not UTF-8 ({e})") from None
+
+        config = {}
+        if TOKENIZER_CONFIG_JSON in files:
+            try:
+                config = json.loads(text(TOKENIZER_CONFIG_JSON))
+            except json.JSONDecodeError as e:
+                raise fail(TOKENIZER_CONFIG_JSON, f"invalid JSON ({e})") from None
+            if not isinstance(config, Mapping):
+                raise fail(TOKENIZER_CONFIG_JSON, f"a JSON {type(config).__name__}, not an object")
+        tokenizer_json = text(TOKENIZER_JSON)
+        try:
+            return cls(tokenizer_json, config)
+        except GenerationError as e:
+            raise fail(TOKENIZER_CONFIG_JSON, e) from None
+        except Exception as e:  # tokenizers raises a bare Exception for any JSON it cannot build
+            raise fail(TOKENIZER_JSON, e) from None
 
     @property
     def vocab_size(self) -> int:
@@ -81,18 +112,31 @@ class Tokenizer:
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the chat template; messages are {"role": ..., "content": ...} dicts."""
+        """Render the chat template; messages are {"role": ..., "content": ...} dicts of strings."""
+        if len(messages) == 0:
+            raise GenerationError("empty conversation: chat needs at least one message")
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
-                raise GenerationError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r}")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=_token_name(self.config.get("bos_token")) or "",
-            eos_token=_token_name(self.config.get("eos_token")) or "",
-        )
+                raise GenerationError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+            for key in ("role", "content"):
+                if not isinstance(message[key], str):
+                    raise GenerationError(
+                        f"chat message {i}: {key!r} must be a string, got {type(message[key]).__name__} "
+                        f"({message!r:.80})"
+                    )
+        try:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=_token_name(self.config.get("bos_token")) or "",
+                eos_token=_token_name(self.config.get("eos_token")) or "",
+            )
+        except GenerationError:
+            raise
+        except Exception as e:  # jinja2's syntax, undefined-variable and sandbox errors
+            raise GenerationError(f"the tokenizer's chat template failed: {type(e).__name__}: {e}") from e
 
     def fim_prompt(self, prefix: str, suffix: str) -> str:
         """Fill-in-the-middle: the model writes what goes between `prefix` and `suffix`."""

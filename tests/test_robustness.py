@@ -1,0 +1,293 @@
+"""Inputs that used to escape as the wrong exception: each now fails with a clear, named error.
+
+Corrupt tokenizer blobs and odd group sizes (the loader), non-finite logits and a closed
+engine (the engine), GPUs older than Hopper (backend choice), malformed chat messages, and
+token ids, positions and page tables a backend must refuse before it indexes anything.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+from importlib.machinery import ModuleSpec
+
+import numpy as np
+import pytest
+
+import nanoqwen
+from nanoqwen import engine as engine_module
+from nanoqwen.backend_numpy import NumpyBackend
+from nanoqwen.config import ModelConfig
+from nanoqwen.engine import BackendUnavailableError, ContextLengthError, Engine, GenerationError
+from nanoqwen.kvcache import PAGE_SIZE, check_positions, check_tokens
+from nanoqwen.random_model import write_random_model
+from nanoqwen.testing import DEFAULT_CONFIG, make_hf_checkpoint, make_nanoqwen
+
+CONFIG = ModelConfig(**DEFAULT_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """tokenizer.json and tokenizer_config.json as the hub ships them (from the test checkpoint)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return nanoqwen.load(make_nanoqwen(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def engine(model):
+    return Engine(model, backend="numpy")
+
+
+def model_with_tokenizer(tmp_path, tokenizer_dir, **replacements: bytes):
+    """A valid file whose tokenizer blobs are the checkpoint's, except those replaced."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    for name, data in replacements.items():
+        (directory / f"{name}.json").write_bytes(data)
+    return write_random_model(tmp_path / "model.nanoqwen", CONFIG, seed=3, tokenizer_dir=directory)
+
+
+# ---- 1. corrupt tokenizer blobs are format errors naming the blob ----
+
+CORRUPT_BLOBS = [
+    ("tokenizer", b'{"version": "1.0", "model": \xff\xfe}', "tokenizer/tokenizer.json.*not UTF-8"),
+    ("tokenizer", b'{"version": "1.0", "model": ', "tokenizer/tokenizer.json"),
+    ("tokenizer", b'{"model": {"type": "NoSuchModel"}}', "tokenizer/tokenizer.json"),
+    ("tokenizer_config", b"\xc3\x28{}", "tokenizer/tokenizer_config.json.*not UTF-8"),
+    ("tokenizer_config", b'{"chat_template": ', "tokenizer/tokenizer_config.json.*invalid JSON"),
+    ("tokenizer_config", b"[1, 2]", "tokenizer/tokenizer_config.json.*not an object"),
+    ("tokenizer_config", b'{"chat_template": [{"nom": "default"}]}', "tokenizer/tokenizer_config.json.*chat_template"),
+]
+
+
+@pytest.mark.parametrize("blob, data, match", CORRUPT_BLOBS, ids=[m.split(".*")[-1] + f"-{i}" for i, (_, _, m) in enumerate(CORRUPT_BLOBS)])
+def test_corrupt_tokenizer_blob_is_a_format_error_before_any_backend(tmp_path, tokenizer_dir, monkeypatch, blob, data, match):
+    path = model_with_tokenizer(tmp_path, tokenizer_dir, **{blob: data})
+    nanoqwen.load(path).close()  # the file itself is intact: its CRC-32s match the bad blob
+
+    def no_backend(*args, **kwargs):
+        raise AssertionError("the backend was built before the tokenizer was checked")
+
+    monkeypatch.setattr(engine_module, "make_backend", no_backend)
+    with pytest.raises(nanoqwen.NanoqwenFormatError, match=match) as error:
+        Engine(path, backend="numpy")
+    assert str(path) in str(error.value)
+
+
+def test_flipped_byte_in_a_tokenizer_blob_fails_the_cheap_load(tmp_path, tokenizer_dir):
+    path = model_with_tokenizer(tmp_path, tokenizer_dir)
+    raw = bytearray(path.read_bytes())
+    offset = raw.find((tokenizer_dir / "tokenizer_config.json").read_bytes())
+    assert offset > 0
+    raw[offset + 3] ^= 0x20
+    path.write_bytes(bytes(raw))
+    with pytest.raises(nanoqwen.NanoqwenFormatError, match="tokenizer/tokenizer_config.json' fails its CRC-32"):
+        nanoqwen.load(path)
+
+
+def test_bad_chat_template_is_a_generation_error(tmp_path, tokenizer_dir):
+    path = model_with_tokenizer(tmp_path, tokenizer_dir, tokenizer_config=b'{"chat_template": "{% for %}"}')
+    engine = Engine(path, backend="numpy")
+    with pytest.raises(GenerationError, match="chat template"):
+        engine.generate("hi", chat=True)
+    assert engine.generate("hi", max_new_tokens=2).token_ids  # plain prompts still work
+
+
+# ---- 2. the INT4 group size is fixed by the format ----
+
+
+def test_group_size_other_than_128_is_refused(tmp_path):
+    path = write_random_model(tmp_path / "g64.nanoqwen", ModelConfig(**DEFAULT_CONFIG, group_size=64))
+    with pytest.raises(nanoqwen.NanoqwenFormatError, match="invalid model configuration.*group_size is 64.*128"):
+        nanoqwen.load(path)
+
+
+# ---- 4. non-finite logits ----
+
+
+def test_numpy_greedy_decode_raises_like_sample_on_nan(engine):
+    backend = engine.backend
+    pages = engine.allocator.allocate(1)
+    try:
+        backend.prefill(np.array([1, 2, 3]), 0, pages)
+        backend.kv_pool[...] = np.nan  # every cached row is NaN: attention, then the logits, follow
+        with pytest.raises(FloatingPointError, match="not finite"):
+            backend.decode_greedy(4, 3, pages)
+    finally:
+        engine.allocator.free(pages)
+        backend.kv_pool[...] = 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_are_a_generation_error_and_the_engine_survives(engine, monkeypatch, temperature):
+    expected = engine.generate([5, 6, 7], max_new_tokens=4, stop_token_ids=[]).token_ids
+    real_decode = engine.backend.decode
+
+    def nan_decode(*args):
+        return np.full_like(real_decode(*args), np.nan)
+
+    monkeypatch.setattr(engine.backend, "decode", nan_decode)
+    with pytest.raises(GenerationError, match="non-finite logits.*nanoqwen inspect --verify"):
+        engine.generate([5, 6, 7], max_new_tokens=4, temperature=temperature, seed=0)
+    monkeypatch.undo()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.generate([5, 6, 7], max_new_tokens=4, stop_token_ids=[]).token_ids == expected
+
+
+# ---- 5. a closed engine ----
+
+
+def test_closed_engine_refuses_every_call(tmp_path):
+    closed_backends = []
+    engine = Engine(make_nanoqwen(tmp_path), backend="numpy")
+    engine.backend.close = lambda: closed_backends.append(True)  # a backend may hold device memory
+    stream = engine.stream("x", max_new_tokens=5, stop_token_ids=[])
+    next(stream)
+    engine.close()
+    engine.close()  # idempotent
+    assert engine.backend is None and closed_backends == [True]
+    for call in (lambda: engine.generate("x"), lambda: engine.stream("x"), lambda: engine.encode_prompt("x"),
+                 lambda: next(stream)):
+        with pytest.raises(GenerationError, match="engine is closed"):
+            call()
+    assert "closed" in repr(engine)
+
+
+# ---- 6. the CUDA backend needs Hopper ----
+
+
+def fake_cupy(monkeypatch, capability: str, devices: int = 1):
+    cupy = types.ModuleType("cupy")
+    cupy.__spec__ = ModuleSpec("cupy", None)
+    cupy.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: devices),
+        Device=lambda index: types.SimpleNamespace(compute_capability=capability),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+
+def test_pre_hopper_gpu_falls_back_to_numpy_and_cuda_says_why(model, monkeypatch):
+    fake_cupy(monkeypatch, "80")  # an A100
+    assert not engine_module.cuda_available()
+    assert Engine(model, backend="auto").backend.name == "numpy"
+    with pytest.raises(BackendUnavailableError, match="compute capability 8.0.*9.0 or newer"):
+        Engine(model, backend="cuda")
+    fake_cupy(monkeypatch, "90", devices=0)
+    with pytest.raises(BackendUnavailableError, match="no NVIDIA GPU"):
+        Engine(model, backend="cuda")
+
+
+def test_hopper_gpu_counts_as_available(monkeypatch):
+    for capability in ("90", "100"):
+        fake_cupy(monkeypatch, capability)
+        assert engine_module.cuda_unavailable_reason() is None
+
+
+# ---- 9. chat messages ----
+
+BAD_CONVERSATIONS = [
+    ([{"role": "user", "content": None}], "chat message 0: 'content' must be a string"),
+    ([{"role": "system", "content": "be brief"}, {"role": 3, "content": "hi"}], "chat message 1: 'role' must be a string"),
+    ([{"role": "user", "content": ["hi"]}], "'content' must be a string, got list"),
+    ([{"role": "user", "content": "hi"}, "and then"], "chat message 1 must be a dict"),
+    ([], "empty conversation"),
+]
+
+
+@pytest.mark.parametrize("messages, match", BAD_CONVERSATIONS)
+def test_bad_chat_messages_name_the_message(engine, messages, match):
+    with pytest.raises(GenerationError, match=match):
+        engine.generate(messages, chat=True)
+    if messages:
+        with pytest.raises(GenerationError, match=match):
+            engine.stream(messages)  # a list of messages is a chat without chat=True too
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_context_length_error_is_a_generation_error(engine):
+    with pytest.raises(ContextLengthError):
+        engine.generate([{"role": "user", "content": "word " * 3000}])
+
+
+# ---- 10. the shared input checks, and the numpy backend that uses them ----
+
+
+def test_check_tokens():
+    assert check_tokens([0, 511], 512).dtype == np.int32
+    assert check_tokens(np.array([3], np.uint64), 512).tolist() == [3]
+    for bad, match in [([], "at least one"), ([[1]], "1-D"), ([1.0], "integer"), ([True], "integer"),
+                       ([512], r"0\.\.511"), ([-1], r"0\.\.511")]:
+        with pytest.raises(ValueError, match=match):
+            check_tokens(bad, 512)
+
+
+def test_check_positions():
+    table = np.array([4, 0, 2], np.int64)
+    assert check_positions(0, 3 * PAGE_SIZE, table, num_pages=5, max_seq_len=64).tolist() == [4, 0, 2]
+    assert check_positions(np.int64(17), 1, table[:2], 5, 64).dtype == np.int32
+    cases = [
+        ((-1, 1, table), "outside 0..63"),
+        ((60, 5, table), "outside 0..63"),  # past the backend's capacity
+        ((2 * PAGE_SIZE, 1, table[:2]), "need 3 pages; the page table has 2"),
+        ((0, 1, np.arange(5)), "at most 4"),  # longer than any sequence of the backend
+        ((0, 1, np.array([5])), "ids outside 0..4"),
+        ((0, 1, np.array([-1])), "ids outside 0..4"),
+        ((0, 1, np.array([1, 1])), "names a page twice"),
+        ((0, 1, np.array([1.0])), "1-D integer array"),
+        ((0, 1, np.array([[1]])), "1-D integer array"),
+        ((0, 0, table), "count >= 1"),
+        ((0.0, 1, table), "integer start"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            check_positions(*args, num_pages=5, max_seq_len=64)
+
+
+def test_numpy_backend_refuses_what_the_cuda_backend_refuses(model):
+    backend = NumpyBackend(model, num_pages=4)  # 64 positions
+    pages = np.array([3, 1, 0, 2], np.int32)
+    for call, match in [
+        (lambda: backend.prefill(np.array([1, 512]), 0, pages), r"token ids must lie in 0\.\.511"),
+        (lambda: backend.decode(-1, 0, pages), r"token ids must lie in 0\.\.511"),
+        (lambda: backend.decode(1.5, 0, pages), "integer"),
+        (lambda: backend.prefill(np.array([], np.int32), 0, pages), "at least one"),
+        (lambda: backend.decode(1, 64, pages), "outside 0..63"),
+        (lambda: backend.decode(1, 0, pages.astype(np.float32)), "integer array"),
+        (lambda: backend.decode(1, 0, np.array([1, 1])), "twice"),
+        (lambda: backend.decode_greedy(1, 16, pages[:1]), "need 2 pages"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_only_the_last_prefill_chunk_computes_logits(model, monkeypatch):
+    from nanoqwen import backend_numpy, ops_numpy
+
+    monkeypatch.setattr(backend_numpy, "PREFILL_CHUNK", 16)
+    calls = []
+    real = ops_numpy.fp16_linear
+    monkeypatch.setattr(ops_numpy, "fp16_linear", lambda x, w: calls.append(w.dtype) or real(x, w))
+    backend = NumpyBackend(model, num_pages=4)
+    logits = backend.prefill(np.arange(1, 41), 0, np.arange(4))  # chunks of 16, 16, 8
+    assert logits.shape == (model.config.vocab_size,) and calls == [np.float32]  # once, on the cached fp32 head
+
+
+def test_lm_head_is_cached_only_within_the_budget(model):
+    projections = 4 * sum(getattr(layer, p).out_features * getattr(layer, p).in_features
+                          for layer in NumpyBackend(model, 1).layers for p in ("q", "k", "v", "o", "gate", "up", "down"))
+    head = 4 * model.lm_head.size
+    assert NumpyBackend(model, 1, weight_cache_bytes=projections + head)._lm_head_fp32 is not None
+    tight = NumpyBackend(model, 1, weight_cache_bytes=projections + head - 1)
+    assert tight.weights_cached and tight._lm_head_fp32 is None
+    only_head = NumpyBackend(model, 1, weight_cache_bytes=head)
+    assert not only_head.weights_cached and only_head._lm_head_fp32 is not None
+    pages = np.arange(1, dtype=np.int32)
+    reference = NumpyBackend(model, 1).prefill(np.array([1, 2, 3]), 0, pages)
+    np.testing.assert_allclose(tight.prefill(np.array([1, 2, 3]), 0, pages), reference, rtol=1e-5, atol=1e-5)
