@@ -187,8 +187,23 @@ def _sampling(args: argparse.Namespace) -> dict:
                 top_p=args.top_p, seed=args.seed)
 
 
+def _names_a_model(argument: str) -> bool:
+    """True when a lone positional looks like a MODEL, not a PROMPT (`generate m.nanoqwen`)."""
+    if argument.endswith(".nanoqwen"):
+        return True
+    try:
+        return Path(argument).is_file()
+    except (OSError, ValueError):  # a long or NUL-holding prompt is no file name
+        return False
+
+
 @subcommand("generate", "continue a prompt, streaming the text to stdout", _generate_arguments)
 def run_generate(args: argparse.Namespace) -> int:
+    if args.model is None and args.prompt != "-" and _names_a_model(args.prompt):
+        # argparse gave the only positional to PROMPT; generating from the shipped model with
+        # a file name as the prompt would be a silent surprise.
+        args.parser.error(f"missing PROMPT: {args.prompt!r} names a model file; "
+                          f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.token_ids:
         try:
@@ -226,6 +241,8 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
 
 @subcommand("chat", "talk to a model through its chat template (/exit to leave, /reset to forget)", _chat_arguments)
 def run_chat(args: argparse.Namespace) -> int:
+    from .engine import ContextLengthError
+
     try:
         import readline  # noqa: F401  (importing it gives input() line editing and history)
     except ImportError:
@@ -260,9 +277,14 @@ def run_chat(args: argparse.Namespace) -> int:
             print()
         except KeyboardInterrupt:
             print(" [interrupted]")
+        except ContextLengthError as e:
+            print(f"error: {e}. The conversation is too long for the context: /reset starts a new one "
+                  "(a smaller --max-new-tokens leaves more room)", file=sys.stderr)
+            history.pop()  # the turn that failed is not part of the conversation
+            continue
         except GenerationError as e:
             print(f"error: {e}", file=sys.stderr)
-            history.pop()  # the turn that failed is not part of the conversation
+            history.pop()
             continue
         history.append({"role": "assistant", "content": "".join(pieces)})
 
@@ -279,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help, arguments, run) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help, description=help)
         arguments(sub)
-        sub.set_defaults(run=run)
+        sub.set_defaults(run=run, parser=sub)  # parser: for usage errors found after parsing
     return parser
 
 

@@ -32,7 +32,7 @@ class ModelConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "int" and (not isinstance(value, int) or value <= 0):
+            if field.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{field.name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
@@ -65,9 +65,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict, refusing anything but Qwen2."""
+        """Build from a Hugging Face `config.json` dict, refusing anything but Qwen2.
+
+        Every field is checked for presence and type here, so a hand-edited config.json (a
+        null, a string where a number belongs) is a ConfigError naming the key.
+        """
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got a {type(hf).__name__}")
         architectures = hf.get("architectures") or []
-        if hf.get("model_type") != "qwen2" or "Qwen2ForCausalLM" not in architectures:
+        if hf.get("model_type") != "qwen2" or not isinstance(architectures, list) or "Qwen2ForCausalLM" not in architectures:
             raise ConfigError(
                 "not a Qwen2 causal LM: model_type="
                 f"{hf.get('model_type')!r}, architectures={architectures!r} "
@@ -75,27 +81,48 @@ class ModelConfig:
             )
         if hf.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported")
+
+        def value(key: str, kinds: tuple[type, ...], what: str, default=None):
+            if hf.get(key) is None:
+                if default is None:
+                    raise ConfigError(f"{key} is missing or null; it must be {what}")
+                return default
+            found = hf[key]
+            if not isinstance(found, kinds) or (isinstance(found, bool) and bool not in kinds):
+                raise ConfigError(f"{key} must be {what}, got {found!r}")
+            return found
+
+        def integer(key: str, default=None) -> int:
+            return value(key, (int,), "an integer", default)
+
+        def number(key: str, default=None) -> float:
+            return float(value(key, (int, float), "a number", default))
+
+        rope_parameters = value("rope_parameters", (dict,), "an object", {}) or value("rope_scaling", (dict,), "an object", {})
         rope_theta = hf.get("rope_theta")
-        rope_parameters = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope_theta is None:
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+            raise ConfigError(f"rope_theta must be a number, got {rope_theta!r}")
         rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
         if rope_type not in (None, "default"):
             raise ConfigError(f"rope scaling {rope_type!r} is not supported")
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
+        num_heads = integer("num_attention_heads")
+        hidden = integer("hidden_size")
+        if num_heads <= 0:
+            raise ConfigError(f"num_attention_heads must be a positive integer, got {num_heads}")
         return cls(
-            num_layers=hf["num_hidden_layers"],
+            num_layers=integer("num_hidden_layers"),
             hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=integer("intermediate_size"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden // num_heads,
-            vocab_size=hf["vocab_size"],
-            max_position_embeddings=hf["max_position_embeddings"],
+            num_kv_heads=integer("num_key_value_heads", num_heads),
+            head_dim=integer("head_dim", hidden // num_heads),
+            vocab_size=integer("vocab_size"),
+            max_position_embeddings=integer("max_position_embeddings"),
             rope_theta=float(rope_theta),
-            rms_norm_eps=float(hf["rms_norm_eps"]),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=number("rms_norm_eps"),
+            tie_word_embeddings=value("tie_word_embeddings", (bool,), "true or false", False),
         )
 
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -27,9 +27,12 @@ def resolve_source(source: str) -> Path:
         return path
     if path.exists() or source.count("/") != 1:
         raise CheckpointError(f"{source}: not a checkpoint directory (and not a hub id like 'Qwen/Qwen2.5-Coder-7B-Instruct')")
-    from huggingface_hub import snapshot_download
+    try:
+        from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # no huggingface_hub, no network, no such repository: all one message
+        raise CheckpointError(f"{source}: cannot fetch it from the Hugging Face hub ({type(e).__name__}: {e})") from e
 
 
 def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -39,13 +42,23 @@ def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.n
 
 def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
+    out = Path(out)
+    # Fail before minutes of quantization, not at the final rename.
+    if out.is_dir():
+        raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
     directory = resolve_source(source)
     config_path = directory / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{directory}: no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
-    except (ConfigError, KeyError) as e:
+        config = ModelConfig.from_hf(json.loads(config_path.read_bytes()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{config_path}: not UTF-8 text ({e})") from e
+    except ConfigError as e:
         raise CheckpointError(f"{config_path}: {e}") from e
     checkpoint = SafetensorsCheckpoint(directory)
 
@@ -77,7 +90,6 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
         sources.append((name, hf_name, hf_shape))
 
     total = sum(int(np.prod(s)) for _, _, s in sources)
-    out = Path(out)
     with NanoqwenWriter(out, config, entries) as writer:
         with tqdm(total=total, unit="param", unit_scale=True, desc=f"convert {out.name}", disable=not progress) as bar:
             for name, hf_name, hf_shape in sources:

@@ -28,8 +28,7 @@ class SafetensorsCheckpoint:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(_read_index(index)))
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
         if not files:
@@ -39,15 +38,7 @@ class SafetensorsCheckpoint:
             path = self.directory / file_name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard named in the index is missing")
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-            base = 8 + header_len
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                self.entries[name] = (path, info["dtype"], tuple(info["shape"]), base + start, end - start)
+            self.entries.update(_read_header(path))
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -82,3 +73,54 @@ class SafetensorsCheckpoint:
             widened <<= 16  # in place: a second float32-sized temporary would double the peak
             return widened.view(np.float32).reshape(shape)
         return raw.astype(np.float32).reshape(shape)
+
+
+def _read_index(path: Path) -> list[str]:
+    """The shard file names of a model.safetensors.index.json."""
+    try:
+        weight_map = json.loads(path.read_bytes())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, no weight_map, not an object
+        raise CheckpointError(f"{path}: not a safetensors index with a 'weight_map' ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
+        raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard file names in this folder")
+    return list(weight_map.values())
+
+
+def _read_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
+    """name -> (path, dtype, shape, file offset, nbytes) for every tensor of one .safetensors file.
+
+    Every length and offset is checked against the file's size before it is used, so a corrupt
+    header can neither make us allocate its claimed length nor point a tensor outside the file.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (8-byte header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise CheckpointError(f"{path}: header length {header_len} exceeds the file's {size - 8} bytes after it")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:  # invalid JSON or UTF-8
+            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    base, data_bytes = 8 + header_len, size - 8 - header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} needs 'dtype', 'shape' and 'data_offsets' [start, end], "
+                                  f"got {info!r:.120}") from None
+        integers = [*shape, start, end] if isinstance(shape, list) else None
+        if (not isinstance(dtype, str) or integers is None
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in integers)):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry {info!r:.120}")
+        if not start <= end <= data_bytes:
+            raise CheckpointError(f"{path}: tensor {name!r} bytes [{start}, {end}) lie outside the {data_bytes}-byte data")
+        entries[name] = (path, dtype, tuple(shape), base + start, end - start)
+    return entries

@@ -8,9 +8,11 @@ token ids, positions and page tables a backend must refuse before it indexes any
 from __future__ import annotations
 
 import shutil
+import struct
 import sys
 import types
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,3 +293,192 @@ def test_lm_head_is_cached_only_within_the_budget(model):
     pages = np.arange(1, dtype=np.int32)
     reference = NumpyBackend(model, 1).prefill(np.array([1, 2, 3]), 0, pages)
     np.testing.assert_allclose(tight.prefill(np.array([1, 2, 3]), 0, pages), reference, rtol=1e-5, atol=1e-5)
+
+
+# ---- 7. the command line: every user error is one line ----
+
+
+def cli_run(capsys, *argv):
+    from nanoqwen import cli
+
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as exit_info:  # argparse's usage errors
+        status = exit_info.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_error(result, message):
+    status, _, stderr = result
+    assert status == 1, stderr
+    assert message in stderr and "Traceback" not in stderr and stderr.count("\n") == 1, stderr
+
+
+@pytest.mark.parametrize("argument", ["{model}", "some/other.nanoqwen"])
+def test_generate_without_prompt_is_a_usage_error(capsys, model, argument):
+    status, stdout, stderr = cli_run(capsys, "generate", argument.format(model=model.path), "--backend", "numpy")
+    assert status == 2 and "missing PROMPT" in stderr and not stdout
+
+
+def test_generate_with_non_finite_logits_is_one_line(capsys, model, monkeypatch):
+    monkeypatch.setattr(NumpyBackend, "decode", lambda self, *args: np.full(model.config.vocab_size, np.nan, np.float32))
+    result = cli_run(capsys, "generate", model.path, "x", "--max-new-tokens", 3, "--backend", "numpy")
+    assert_one_line_error(result, "nanoqwen inspect --verify")
+
+
+def test_generate_with_a_corrupt_tokenizer_is_one_line(capsys, tmp_path, tokenizer_dir):
+    path = model_with_tokenizer(tmp_path, tokenizer_dir, tokenizer=b"\xff")
+    assert_one_line_error(cli_run(capsys, "generate", path, "x", "--backend", "numpy"), "tokenizer/tokenizer.json")
+
+
+def test_chat_suggests_reset_when_the_conversation_outgrows_the_context(capsys, model, monkeypatch):
+    turn = "word " * 70  # 326 tokens as a chat: one turn and its 300-token reply fit in 700, two turns do not
+    lines = iter([turn, turn, "/reset", "hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    status, stdout, stderr = cli_run(capsys, "chat", model.path, "--backend", "numpy", "--max-new-tokens", 300,
+                                     "--max-context", 700)
+    assert status == 0
+    assert stderr.count("too long for the context: /reset") == 1, stderr  # the second turn; after /reset it works
+
+
+# ---- 8. the converter and the safetensors reader ----
+
+
+@pytest.fixture
+def checkpoint(tokenizer_dir, tmp_path):
+    return Path(shutil.copytree(tokenizer_dir, tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "invalid JSON"),
+    (b"\xff\xfe\x00{", "config.json"),
+    ("[1, 2]", "JSON object"),
+    ('{"hidden_size": null}', "hidden_size is missing or null"),
+    ('{"hidden_size": "128"}', "hidden_size must be an integer, got '128'"),
+    ('{"hidden_size": true}', "hidden_size must be an integer, got True"),
+    ('{"hidden_size": 128.0}', "hidden_size must be an integer"),
+    ('{"num_attention_heads": 0}', "num_attention_heads must be a positive integer"),
+    ('{"rms_norm_eps": "small"}', "rms_norm_eps must be a number"),
+    ('{"rope_theta": [1]}', "rope_theta must be a number"),
+    ('{"rope_parameters": "yarn"}', "rope_parameters must be an object"),
+    ('{"tie_word_embeddings": "no"}', "tie_word_embeddings must be true or false"),
+    ('{"architectures": "Qwen2ForCausalLM"}', "not a Qwen2 causal LM"),
+])
+def test_bad_config_json_is_a_checkpoint_error_naming_the_file(checkpoint, tmp_path, text, match):
+    import json
+
+    from nanoqwen.convert import convert
+    from nanoqwen.safetensors_reader import CheckpointError
+
+    config_path = checkpoint / "config.json"
+    if isinstance(text, bytes) or not text.startswith("{\""):
+        config_path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    else:
+        config = json.loads(config_path.read_text())
+        config.update(json.loads(text))
+        config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match) as error:
+        convert(str(checkpoint), tmp_path / "m.nanoqwen", progress=False)
+    assert str(config_path) in str(error.value)
+
+
+def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkeypatch):
+    from nanoqwen import convert as convert_module
+
+    def no_work(source):
+        raise AssertionError("the checkpoint was read before the output path was checked")
+
+    monkeypatch.setattr(convert_module, "resolve_source", no_work)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        convert_module.convert("anything", tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert_module.convert("anything", tmp_path / "no" / "m.nanoqwen")
+    assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path), "is a directory")
+    assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path / "no" / "m.nanoqwen"), "does not exist")
+
+
+def test_hub_download_failure_is_a_checkpoint_error(monkeypatch):
+    from nanoqwen.convert import resolve_source
+    from nanoqwen.safetensors_reader import CheckpointError
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.__spec__ = ModuleSpec("huggingface_hub", None)
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    hub.snapshot_download = offline
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    with pytest.raises(CheckpointError, match="Qwen/Nope: cannot fetch it.*no network"):
+        resolve_source("Qwen/Nope")
+
+
+def safetensors_bytes(header, data: bytes = b"\0" * 16) -> bytes:
+    import json
+
+    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+GOOD_ENTRY = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+BAD_SAFETENSORS = [
+    (b"", "too short"),
+    (b"\x05\0\0", "too short"),
+    (struct.pack("<Q", 2**62) + b"{}", "header length 4611686018427387904 exceeds"),
+    (struct.pack("<Q", 100) + b"{}" + b"\0" * 20, "header length 100 exceeds"),
+    (safetensors_bytes(b"{not json"), "not valid JSON"),
+    (safetensors_bytes(b"\xff\xfe"), "not valid JSON"),
+    (safetensors_bytes([GOOD_ENTRY]), "JSON list, not an object"),
+    (safetensors_bytes({"w": {"shape": [2, 2], "data_offsets": [0, 16]}}), "'w' needs 'dtype'"),
+    (safetensors_bytes({"w": {"dtype": "F32", "data_offsets": [0, 16]}}), "'w' needs"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2]}}), "'w' needs"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8, 16]}}), "'w' needs"),
+    (safetensors_bytes({"w": [1, 2]}), "'w' needs"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": "2x2", "data_offsets": [0, 16]}}), "'w' has a malformed"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, -2], "data_offsets": [0, 16]}}), "'w' has a malformed"),
+    (safetensors_bytes({"w": {"dtype": 7, "shape": [2, 2], "data_offsets": [0, 16]}}), "'w' has a malformed"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 2**40]}}), "outside the 16-byte data"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}), "outside"),
+]
+
+
+@pytest.mark.parametrize("data, match", BAD_SAFETENSORS, ids=range(len(BAD_SAFETENSORS)))
+def test_malformed_safetensors_is_a_checkpoint_error_naming_the_file(tmp_path, data, match):
+    import tracemalloc
+
+    from nanoqwen.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=match) as error:
+            SafetensorsCheckpoint(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(path) in str(error.value) and peak < 2**20  # no buffer the size the header claims
+
+
+def test_valid_safetensors_still_reads(tmp_path):
+    from nanoqwen.safetensors_reader import SafetensorsCheckpoint
+
+    values = np.arange(4, dtype=np.float32)
+    (tmp_path / "model.safetensors").write_bytes(
+        safetensors_bytes({"__metadata__": {"format": "pt"}, "w": GOOD_ENTRY}, values.tobytes()))
+    np.testing.assert_array_equal(SafetensorsCheckpoint(tmp_path).read("w", (2, 2)), values.reshape(2, 2))
+
+
+@pytest.mark.parametrize("index, match", [
+    ("{oops", "model.safetensors.index.json: not a safetensors index"),
+    ('{"metadata": {}}', "not a safetensors index with a 'weight_map'"),
+    ('{"weight_map": ["a.safetensors"]}', "'weight_map' must map"),
+    ('{"weight_map": {"w": "../elsewhere.safetensors"}}', "'weight_map' must map"),
+])
+def test_malformed_index_is_a_checkpoint_error(tmp_path, index, match):
+    from nanoqwen.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=match):
+        SafetensorsCheckpoint(tmp_path)
