@@ -38,7 +38,7 @@ import numpy as np
 
 from . import cuda_build, ops_numpy
 from .config import PAGE_SIZE
-from .kvcache import kv_pool_shape, pages_needed
+from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
 
 # Offsets into `state` (kernels/common.cuh).
@@ -362,30 +362,10 @@ class CudaBackend:
     # ------------------------------------------------------------------ checks
 
     def _check_positions(self, first: int, count: int, page_table) -> np.ndarray:
-        """The page table as int32, after checking it covers positions first..first+count-1."""
-        page_table = np.asarray(page_table)
-        if page_table.ndim != 1 or not np.issubdtype(page_table.dtype, np.integer):
-            raise ValueError(f"page_table must be a 1-D integer array, got {page_table.dtype}{list(page_table.shape)}")
-        last = first + count - 1
-        if first < 0 or last >= self.max_seq_len:
-            raise ValueError(f"positions {first}..{last} outside 0..{self.max_seq_len - 1} (the backend's maximum)")
-        needed = last // PAGE_SIZE + 1
-        if not needed <= len(page_table) <= self.max_pages_per_seq:
-            raise ValueError(
-                f"positions {first}..{last} need {needed} pages; the page table has {len(page_table)} "
-                f"(at most {self.max_pages_per_seq})"
-            )
-        if page_table.min() < 0 or page_table.max() >= self.num_pages:
-            raise ValueError(f"page table holds ids outside 0..{self.num_pages - 1}")
-        return page_table.astype(np.int32)
+        return check_positions(first, count, page_table, self.num_pages, self.max_seq_len)
 
     def _check_tokens(self, token_ids) -> np.ndarray:
-        token_ids = np.asarray(token_ids)
-        if token_ids.ndim != 1 or len(token_ids) == 0 or not np.issubdtype(token_ids.dtype, np.integer):
-            raise ValueError(f"expected a 1-D integer array of at least one token id, got {token_ids.dtype}{list(token_ids.shape)}")
-        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
-        return token_ids.astype(np.int32)
+        return check_tokens(token_ids, self.config.vocab_size)
 
     # ------------------------------------------------------------------ decode
 

@@ -43,7 +43,7 @@ def int4_linear(x: np.ndarray, linear: Int4Linear, weight: np.ndarray | None = N
 
 def fp16_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """[T, K] fp16 @ fp16 [N, K]^T -> [T, N] fp32 (the lm_head)."""
-    return x.astype(np.float32) @ weight.astype(np.float32).T
+    return x.astype(np.float32) @ weight.astype(np.float32, copy=False).T
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:

@@ -66,11 +66,12 @@ def exercise(model_path: str, attention_name: str) -> None:
     from nanoqwen.backend_cuda import CudaBackend
 
     sys.path.insert(0, str(REPO / "tests"))
-    from test_kernels_cuda import ATTENTIONS
+    from test_kernels_cuda import ATTENTIONS, OracleAttention
 
     cp.cuda.set_allocator(None)  # one cudaMalloc per array: memcheck sees every array's bounds
     model = nanoqwen.load(model_path)
-    backend = CudaBackend(model, 6, attention_factory=ATTENTIONS[attention_name])
+    attention = ATTENTIONS[attention_name]
+    backend = CudaBackend(model, 6, attention_factory=attention, use_graph=attention is not OracleAttention)
     page_table = np.array([4, 1, 5, 0], dtype=np.int32)
     rng = np.random.default_rng(0)
     logits = backend.prefill(rng.integers(0, model.config.vocab_size, 19), 0, page_table)
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     from nanoqwen.testing import make_nanoqwen
 
     sys.path.insert(0, str(REPO / "tests"))
-    from test_kernels_cuda import ATTENTIONS
+    from test_kernels_cuda import ATTENTIONS, OracleAttention
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_nanoqwen(tmp, seed=5, tokenizer=False, hidden_size=384, intermediate_size=640, num_heads=6,
