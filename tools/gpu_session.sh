@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 for what the GPU chapters and issues measure, each step bounded so
 # that a failure costs its own time only. Logs and JSON go under $OUT.
-#   bash tools/gpu_session.sh checks   graph tests, 7B bench (+ transformers baseline),
+#   bash tools/gpu_session.sh checks   GPU tests, 7B bench (+ transformers baseline),
 #                                      INT8 vs FP16 bench and tests, 7B vs transformers
 #   bash tools/gpu_session.sh book     graph tests, 7B bench for both activation paths,
 #                                      then every chapter under nbval (carry .whl: see book/running.md)
@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 case "${1:-checks}" in
   checks)
-    step "graph tests (nano-coder)" 75 $PYTEST tests/test_cuda_graph.py
+    step "GPU tests" 240 $PYTEST tests/test_cuda_graph.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 150 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json" --baseline
     step "int8 vs fp16 bench" 70 python3 tools/bench_int8_vs_fp16.py --json "$OUT/int8_vs_fp16.json"
