@@ -372,13 +372,16 @@ class CudaBackend:
     def set_step_inputs(self, token_id: int, position: int, page_table) -> None:
         """One host-to-device copy of the step's inputs. The whole page table goes up, so that
         steps advanced on the device (argmax_select_next) find the pages reserved ahead."""
-        token = self._check_tokens(np.array([token_id]))[0]
-        pages = self._check_positions(position, 1, page_table)
+        token = int(self._check_tokens(np.array([token_id]))[0])
+        self._upload_step_inputs(token, position, self._check_positions(position, 1, page_table))
+
+    def _upload_step_inputs(self, token: int, position: int, pages: np.ndarray) -> None:
+        """The copy itself, for inputs already checked."""
         host = np.empty(STATE_PAGE_TABLE + len(pages), dtype=np.int32)
         host[STATE_TOKEN], host[STATE_POSITION], host[STATE_SEQ_LEN] = token, position, position + 1
         host[STATE_PAGE_TABLE:] = pages
         self.state[: len(host)].set(host, stream=self.stream)
-        self._device_holds = (int(token), int(position), pages)
+        self._device_holds = (token, int(position), pages)
 
     def decode_graph(self):
         """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda_graph)."""
@@ -405,7 +408,7 @@ class CudaBackend:
         pages = self._check_positions(position, 1, page_table)
         holds, self._device_holds = self._device_holds, None  # unknown until the step is read back
         if holds is None or holds[:2] != (token, position) or not np.array_equal(holds[2][: len(pages)], pages):
-            self.set_step_inputs(token, position, pages)
+            self._upload_step_inputs(token, position, pages)  # checked above: no second check
             holds, self._device_holds = self._device_holds, None
         if self.use_graph:
             self.decode_graph().launch()
