@@ -34,6 +34,23 @@ static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
+// ---------------------------------------------------------------- programmatic dependent launch
+//
+// Inside the decode graph every kernel is launched with programmatic stream serialization
+// (nanoqwen/cuda_launch.py), which lets a kernel's blocks start while the kernel before it is
+// still finishing. Each kernel therefore does, in this order:
+//   1. let_next_kernel_launch(): the next kernel may start its own prologue now;
+//   2. work that reads only inputs no earlier kernel of the step writes (weights, the KV pages of
+//      earlier tokens are NOT such inputs for attention: rope_write_kv writes the new token's);
+//   3. wait_for_previous_kernel(): returns once the previous kernel has completed and its writes
+//      are visible, and, because that kernel waited for its own predecessor, every earlier one;
+//   4. everything else.
+// Every block of every kernel must reach step 3 before it exits or writes anything, or the chain
+// of completions in 3 breaks. Launched without the attribute (eager launches, CPU-side tests),
+// both instructions are no-ops.
+__device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---------------------------------------------------------------- half precision as bits
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
