@@ -171,3 +171,306 @@ lab_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* __rest
     if (row < NQ_INTERMEDIATE) h[row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
   }
 }
+
+// ------------------------------------------------------------------------------------------
+// "lite": the engine's cp.async ring and one warp per (tile, split), with a cheaper unpack.
+// Two lop3 per nibble pair and no subtraction: (w & 0x000F000F) | 0x64006400 is the fp16 pair
+// 1024 + n, (w & 0x00F000F0) | 0x64006400 is 1024 + 16 n, and w >> 8 gives the other two
+// pairs: 1 shift + 4 lop3 per word instead of 3 shifts + 4 lop3 + 4 subtractions. The MMAs then
+// multiply x by 1024 + n (low nibbles, accumulator lo) and 1024 + 16 n (high nibbles, hi), and
+// the group's sum over q = n - 8 is  lo + hi / 16 - (1032 X_lo + 72 X_hi),  where X_lo, X_hi
+// sum x over the low- and high-nibble elements. That correction does not depend on the row: two
+// MMAs per word with constant A (1032, 72) compute it once per group for the whole warp.
+// NQ_LAB_LITE = 0 keeps the engine's unpack but still splits the MMA chain in two accumulators.
+#ifndef NQ_LAB_LITE
+#define NQ_LAB_LITE 1
+#endif
+
+template <int K, int TILES, int STAGES>
+__device__ __forceinline__ void lite_tile_dot(const unsigned int* __restrict__ qweight,
+                                              const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ x, const int (&rows)[TILES][2],
+                                              int group_begin, int group_end, float (&acc)[TILES][2]) {
+  constexpr int WORDS_PER_ROW = K / 8;
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  __shared__ uint4 ring[STAGES][TILES][2][WARP_SIZE];
+  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
+  const int count = group_end - group_begin;
+  float scale_ring[STAGES][TILES][2];
+#define NQ_LITE_FETCH(i, SLOT)                                                                            \
+  do {                                                                                                    \
+    const int group = group_begin + (i);                                                                  \
+    _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                          \
+      _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                     \
+        const long long row = rows[tile][r];                                                              \
+        copy_async_16B(&ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
+        scale_ring[SLOT][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));                  \
+      }                                                                                                   \
+    }                                                                                                     \
+  } while (0)
+#pragma unroll
+  for (int u = 0; u < STAGES - 1; ++u) {
+    if (u < count) NQ_LITE_FETCH(u, u);
+    copy_async_commit();
+  }
+  wait_for_previous_kernel();
+  for (int first = 0; first < count; first += STAGES) {
+#pragma unroll
+    for (int u = 0; u < STAGES; ++u) {
+      const int i = first + u;
+      if (i + STAGES - 1 < count) NQ_LITE_FETCH(i + STAGES - 1, (u + STAGES - 1) % STAGES);
+      copy_async_commit();
+      copy_async_wait<STAGES - 1>();
+      if (i < count) {
+        const unsigned short* xg = x + (group_begin + i) * NQ_GROUP_SIZE + 32 * t;
+        uint4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = load_activations_16B(xg + 8 * j);
+        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
+                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
+                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
+                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
+#if NQ_LAB_LITE
+        float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          mma_16x8x16(corr, 0x64086408u, 0x64086408u, 0x64086408u, 0x64086408u, xs[j][0], xs[j][2]);
+          mma_16x8x16(corr, 0x54805480u, 0x54805480u, 0x54805480u, 0x54805480u, xs[j][1], xs[j][3]);
+        }
+#endif
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+          const uint4 w0 = ring[u][tile][0][lane], w1 = ring[u][tile][1][lane];
+          const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
+          float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#if NQ_LAB_LITE
+            const unsigned int a = words0[j], b = words1[j], a8 = a >> 8, b8 = b >> 8;
+            mma_16x8x16(lo, and_or(a, 0x000F000Fu, 0x64006400u), and_or(b, 0x000F000Fu, 0x64006400u),
+                        and_or(a8, 0x000F000Fu, 0x64006400u), and_or(b8, 0x000F000Fu, 0x64006400u), xs[j][0], xs[j][2]);
+            mma_16x8x16(hi, and_or(a, 0x00F000F0u, 0x64006400u), and_or(b, 0x00F000F0u, 0x64006400u),
+                        and_or(a8, 0x00F000F0u, 0x64006400u), and_or(b8, 0x00F000F0u, 0x64006400u), xs[j][1], xs[j][3]);
+#else
+            unsigned int p0[4], p1[4];
+            unpack_int4_word(words0[j], p0);
+            unpack_int4_word(words1[j], p1);
+            mma_16x8x16(lo, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
+            mma_16x8x16(hi, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
+#endif
+          }
+#if NQ_LAB_LITE
+          const float sum0 = fmaf(0.0625f, hi[0], lo[0]) - corr[0], sum1 = fmaf(0.0625f, hi[2], lo[2]) - corr[2];
+#else
+          const float sum0 = lo[0] + hi[0], sum1 = lo[2] + hi[2];
+#endif
+          acc[tile][0] = fmaf(scale_ring[u][tile][0], sum0, acc[tile][0]);
+          acc[tile][1] = fmaf(scale_ring[u][tile][1], sum1, acc[tile][1]);
+        }
+      }
+    }
+  }
+#undef NQ_LITE_FETCH
+}
+
+template <int K>
+__device__ __forceinline__ void lite_partials(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                                              float* __restrict__ partials, int n_rows, int splits) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  let_next_kernel_launch();
+  const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  const int tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
+  const int tile = min(unit / splits, tiles - 1), split = unit % splits;
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
+  float acc[1][2] = {{0.0f, 0.0f}};
+  lite_tile_dot<K, 1, GEMV_STAGES>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
+  if (lane % 4 == 0 && unit < tiles * splits) {
+    float* out = partials + (long long)split * n_rows;
+    const bool add_bias = bias != nullptr && split == 0;
+    if (row0 < n_rows) out[row0] = acc[0][0] + (add_bias ? half_to_float(bias[row0]) : 0.0f);
+    if (row1 < n_rows) out[row1] = acc[0][1] + (add_bias ? half_to_float(bias[row1]) : 0.0f);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+lite_from_hidden(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                 const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                 float* __restrict__ partials, int n_rows, int splits) {
+  lite_partials<NQ_HIDDEN>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+lite_from_q_dim(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                float* __restrict__ partials, int n_rows, int splits) {
+  lite_partials<NQ_Q_DIM>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
+lite_from_intermediate(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                       const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                       float* __restrict__ partials, int n_rows, int splits) {
+  lite_partials<NQ_INTERMEDIATE>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+// gate+up: TILES = 2 (gate and up rows of the same 16-row tile) in one warp, as in the engine.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
+lite_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                  const unsigned short* __restrict__ x, unsigned short* __restrict__ h) {
+  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
+  constexpr int TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
+  let_next_kernel_launch();
+  const int tile = min((int)(blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE), TILES - 1);
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
+  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  lite_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
+  if (lane % 4 == 0) {
+    if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
+    if (row1 < NQ_INTERMEDIATE) h[row1] = float_to_half(acc[0][1] / (1.0f + expf(-acc[0][1])) * acc[1][1]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// "coal": every load instruction of a warp reads 512 contiguous bytes of ONE row.
+// A warp works on a pair of rows (r0, r1) in steps of 8 groups. Lane (g, t) loads the t-th
+// 16-byte chunk of group 8 s + g of both rows, so the warp's 32 chunks of a row are adjacent.
+// The MMA still multiplies a 16x16 A by a 16x8 B, but with a different reading: A's row g is
+// r0's group g (and row g + 8 is r1's), B's column n is x over group n, so the diagonal
+// D[g][g] (and D[g + 8][g]) is exactly group g's dot product for r0 (r1); the off-diagonal
+// products are discarded. Lane (g, t) supplies both A's and B's k-slots from its own chunk,
+// which is the consistency the MMA needs. D[g][g] lives in lane (g, g / 2), register g % 2
+// (D[g + 8][g] in register 2 + g % 2).
+// ------------------------------------------------------------------------------------------
+#ifndef NQ_COAL_DEPTH
+#define NQ_COAL_DEPTH 4
+#endif
+constexpr int COAL_DEPTH = NQ_COAL_DEPTH;
+constexpr int GROUPS_PER_STEP = 8;
+
+// Dot products of rows r0 and r1 with x over groups [group_begin, group_end); every lane returns
+// both totals.
+template <int K>
+__device__ __forceinline__ float2 coal_pair_dot(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                                                const unsigned short* __restrict__ x, int r0, int r1,
+                                                int group_begin, int group_end) {
+  constexpr int CHUNKS_PER_ROW = K / 32;
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+  const bool holder = t == g / 2;
+  const uint4* w0 = qweight + (long long)r0 * CHUNKS_PER_ROW + 4 * group_begin + lane;
+  const uint4* w1 = qweight + (long long)r1 * CHUNKS_PER_ROW + 4 * group_begin + lane;
+  const unsigned short* s0 = scales + (long long)r0 * GROUPS + group_begin + g;
+  const unsigned short* s1 = scales + (long long)r1 * GROUPS + group_begin + g;
+  const int steps = (group_end - group_begin + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;
+  uint4 ring0[COAL_DEPTH], ring1[COAL_DEPTH];
+  unsigned short sring0[COAL_DEPTH], sring1[COAL_DEPTH];
+  const uint4 zero = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);  // q = 0
+#pragma unroll
+  for (int u = 0; u < COAL_DEPTH; ++u) {
+    const bool live = u < steps && group_begin + GROUPS_PER_STEP * u + g < group_end;
+    ring0[u] = live ? load_weights_16B(w0 + 32 * u) : zero;
+    ring1[u] = live ? load_weights_16B(w1 + 32 * u) : zero;
+    sring0[u] = live ? __ldg(s0 + GROUPS_PER_STEP * u) : (unsigned short)0;
+    sring1[u] = live ? __ldg(s1 + GROUPS_PER_STEP * u) : (unsigned short)0;
+  }
+  wait_for_previous_kernel();
+  float acc0 = 0.0f, acc1 = 0.0f;
+  for (int first = 0; first < steps; first += COAL_DEPTH) {
+#pragma unroll
+    for (int u = 0; u < COAL_DEPTH; ++u) {
+      const int step = first + u;
+      if (step < steps) {  // warp-uniform
+        const uint4 a = ring0[u], b = ring1[u];
+        const float scale0 = half_to_float(sring0[u]), scale1 = half_to_float(sring1[u]);
+        const int group = group_begin + GROUPS_PER_STEP * step + g;
+        const bool live = group < group_end;
+        const int next = step + COAL_DEPTH;
+        const bool next_live = next < steps && group + GROUPS_PER_STEP * COAL_DEPTH < group_end;
+        ring0[u] = next_live ? load_weights_16B(w0 + 32 * next) : zero;
+        ring1[u] = next_live ? load_weights_16B(w1 + 32 * next) : zero;
+        sring0[u] = next_live ? __ldg(s0 + GROUPS_PER_STEP * next) : (unsigned short)0;
+        sring1[u] = next_live ? __ldg(s1 + GROUPS_PER_STEP * next) : (unsigned short)0;
+        uint4 xv[4];
+        const unsigned short* xg = x + min(group, GROUPS - 1) * NQ_GROUP_SIZE + 32 * t;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = live ? load_activations_16B(xg + 8 * j) : make_uint4(0, 0, 0, 0);
+        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
+                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
+                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
+                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
+        const unsigned int words0[4] = {a.x, a.y, a.z, a.w}, words1[4] = {b.x, b.y, b.z, b.w};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          unsigned int p0[4], p1[4];
+          unpack_int4_word(words0[j], p0);
+          unpack_int4_word(words1[j], p1);
+          mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
+          mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
+        }
+        acc0 = fmaf(scale0, (g & 1) ? d[1] : d[0], acc0);
+        acc1 = fmaf(scale1, (g & 1) ? d[3] : d[2], acc1);
+      }
+    }
+  }
+  return make_float2(warp_sum(holder ? acc0 : 0.0f), warp_sum(holder ? acc1 : 0.0f));
+}
+
+// One warp per (row pair, split): rows 2p and 2p + 1. grid (ceil(pairs * splits / warps per block)).
+template <int K>
+__device__ __forceinline__ void coal_partials(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                                              float* __restrict__ partials, int n_rows, int splits) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  let_next_kernel_launch();
+  const int pairs = (n_rows + 1) / 2;
+  const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  const int pair = min(unit / splits, pairs - 1), split = unit % splits;
+  const int r0 = 2 * pair, r1 = min(r0 + 1, n_rows - 1);
+  const float2 sums = coal_pair_dot<K>(qweight, scales, x, r0, r1, split * GROUPS / splits, (split + 1) * GROUPS / splits);
+  if (threadIdx.x % WARP_SIZE == 0 && unit < pairs * splits) {
+    float* out = partials + (long long)split * n_rows;
+    const bool add_bias = bias != nullptr && split == 0;
+    out[r0] = sums.x + (add_bias ? half_to_float(bias[r0]) : 0.0f);
+    if (r0 + 1 < n_rows) out[r0 + 1] = sums.y + (add_bias ? half_to_float(bias[r0 + 1]) : 0.0f);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+coal_from_hidden(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                 const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                 float* __restrict__ partials, int n_rows, int splits) {
+  coal_partials<NQ_HIDDEN>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+coal_from_q_dim(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                float* __restrict__ partials, int n_rows, int splits) {
+  coal_partials<NQ_Q_DIM>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+coal_from_intermediate(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                       const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                       float* __restrict__ partials, int n_rows, int splits) {
+  coal_partials<NQ_INTERMEDIATE>(qweight, scales, bias, x, partials, n_rows, splits);
+}
+
+// gate+up: warp i takes gate row i and up row I + i as its pair. grid (ceil(I / warps per block)).
+extern "C" __global__ void __launch_bounds__(128)
+coal_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                  const unsigned short* __restrict__ x, unsigned short* __restrict__ h) {
+  let_next_kernel_launch();
+  const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  const int row = min(unit, NQ_INTERMEDIATE - 1);
+  const float2 sums = coal_pair_dot<NQ_HIDDEN>(qweight, scales, x, row, NQ_INTERMEDIATE + row, 0, NQ_HIDDEN / NQ_GROUP_SIZE);
+  if (threadIdx.x % WARP_SIZE == 0 && unit < NQ_INTERMEDIATE)
+    h[row] = float_to_half(sums.x / (1.0f + expf(-sums.x)) * sums.y);
+}

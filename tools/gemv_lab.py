@@ -27,7 +27,11 @@ from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 from tools.bench_kernels import copies_for, copy_bandwidth, median_launch_seconds, random_scales, random_words  # noqa: E402
 
 # (depth, max threads, min blocks): registers per thread <= 65536 / (threads * min blocks)
-COMPILE_VARIANTS = [(2, 256, 4), (4, 256, 3), (4, 512, 1), (8, 256, 2)]
+COMPILE_VARIANTS = [(2, 256, 4), (4, 256, 3)]
+# (lite unpack?, ring stages) for the engine-shaped "lite" kernels
+LITE_VARIANTS = [(1, 8), (1, 4), (0, 8)]
+LITE_KERNELS = {"qkv": "lite_from_hidden", "o": "lite_from_q_dim", "down": "lite_from_intermediate",
+                "gate_up": "lite_gate_up_silu"}
 C = QWEN25_CODER_7B
 H, I, Q, KV = C.hidden_size, C.intermediate_size, C.q_dim, C.kv_dim
 # shape name -> (rows N, K, lab kernel, engine kernel, bias)
@@ -46,9 +50,39 @@ GEOMETRIES = {
 }
 
 
-def compile_lab(cp, depth, threads, min_blocks):
-    defines = {**cuda_build.kernel_defines(C), "NQ_LAB_DEPTH": str(depth), "NQ_LAB_MAX_THREADS": str(threads),
-               "NQ_LAB_MIN_BLOCKS": str(min_blocks), "NQ_SOURCES_HASH": "0x" + cuda_build.sources_hash()}
+COAL_DEPTHS = (2, 4, 8)
+COAL_SPLITS = {"qkv": (1, 2), "o": (1, 2), "down": (1, 2, 4), "gate_up": (1,)}
+COAL_KERNELS = {"qkv": "coal_from_hidden", "o": "coal_from_q_dim", "down": "coal_from_intermediate",
+                "gate_up": "coal_gate_up_silu"}
+
+
+def time_coal(cp, module, problem, kernel, splits):
+    function = module.get_function(kernel)
+    n = problem.n
+    if problem.fused:
+        out = cp.full(n, np.nan, dtype=cp.float16)
+        grid = -(-n // 4)
+
+        def launch(i):
+            function((grid,), (128,), (problem.qweights[i], problem.scales[i], problem.x, out))
+    else:
+        out = cp.full((splits, n), np.nan, dtype=cp.float32)
+        grid = -(-((n + 1) // 2) * splits // 4)
+        bias = NULL if problem.bias is None else problem.bias
+
+        def launch(i):
+            function((grid,), (128,), (problem.qweights[i], problem.scales[i], bias, problem.x, out, np.int32(n),
+                                       np.int32(splits)))
+    launch(0)
+    cp.cuda.Device().synchronize()
+    error = problem.error(out)
+    return timed(cp, launch, problem.copies), error, function.num_regs
+
+
+def compile_lab(cp, depth=2, threads=256, min_blocks=4, lite=1, stages=8, coal_depth=4):
+    defines = {"NQ_COAL_DEPTH": str(coal_depth), **cuda_build.kernel_defines(C), "NQ_LAB_DEPTH": str(depth), "NQ_LAB_MAX_THREADS": str(threads),
+               "NQ_LAB_MIN_BLOCKS": str(min_blocks), "NQ_LAB_LITE": str(lite), "NQ_GEMV_STAGES": str(stages),
+               "NQ_SOURCES_HASH": "0x" + cuda_build.sources_hash()}
     source = (REPO / "tools" / "gemv_lab.cu").read_text()
     options = ("-std=c++17", f"-I{cuda_build.kernel_dir()}", *cuda_build.define_options(defines))
     module = cp.RawModule(code=source, options=options)
@@ -121,6 +155,22 @@ def time_lab(cp, module, problem, kernel, slices, splits):
     return timed(cp, launch, problem.copies), error, function.num_regs
 
 
+def time_engine_split(cp, module, problem, kernel, num_sms, warps_per_sm):
+    n = problem.n
+    splits = gemv_splits(n, problem.k, num_sms, warps_per_sm=warps_per_sm)
+    function = module.get_function(kernel)
+    out = cp.full((splits, n), np.nan, dtype=cp.float32)
+    bias = NULL if problem.bias is None else problem.bias
+
+    def launch(i):
+        function((-(-n // TILE_ROWS) * splits,), (GEMV_THREADS,), (problem.qweights[i], problem.scales[i], bias,
+                                                                   problem.x, out, np.int32(n), np.int32(splits)))
+    launch(0)
+    cp.cuda.Device().synchronize()
+    error = problem.error(out)
+    return timed(cp, launch, problem.copies), error, splits, function.num_regs
+
+
 def time_engine(cp, module, problem, kernel, num_sms):
     function = module.get_function(kernel)
     n = problem.n
@@ -140,7 +190,8 @@ def time_engine(cp, module, problem, kernel, num_sms):
                                                                        problem.x, out, np.int32(n), np.int32(splits)))
     launch(0)
     cp.cuda.Device().synchronize()
-    return timed(cp, launch, problem.copies), problem.error(out), splits, function.num_regs
+    error = problem.error(out)
+    return timed(cp, launch, problem.copies), error, splits, function.num_regs
 
 
 def main(argv=None) -> None:
@@ -158,11 +209,12 @@ def main(argv=None) -> None:
     if args.profile:
         global PROFILING
         PROFILING = True
-        lab = compile_lab(cp, 4, 256, 3)
+        lite = compile_lab(cp, lite=1, stages=8)
         for shape, (n, k, lab_kernel, engine_kernel, _) in SHAPES.items():
-            for _ in range(3):
+            for _ in range(2):
                 time_engine(cp, engine, problems[shape], engine_kernel, num_sms)
-                time_lab(cp, lab, problems[shape], lab_kernel, *GEOMETRIES[shape][2])
+                time_engine(cp, lite, problems[shape], LITE_KERNELS[shape], num_sms)
+                time_coal(cp, lite, problems[shape], COAL_KERNELS[shape], COAL_SPLITS[shape][-1])
         return
     copy = copy_bandwidth(cp)
     rows = []
@@ -181,6 +233,26 @@ def main(argv=None) -> None:
                 rows.append(dict(shape=shape, variant=f"reg d{depth} t{threads} b{min_blocks}",
                                  geometry=f"slices {slices} split {splits}", regs=regs, us=seconds * 1e6,
                                  error=error, bytes=problems[shape].weight_bytes))
+    for lite_unpack, stages in LITE_VARIANTS:
+        module = compile_lab(cp, lite=lite_unpack, stages=stages)
+        for shape in SHAPES:
+            for warps_per_sm in (12, 20) if shape != "gate_up" else (None,):
+                problem = problems[shape]
+                function = LITE_KERNELS[shape]
+                if warps_per_sm is None:
+                    seconds, error, splits, regs = time_engine(cp, module, problem, function, num_sms)
+                else:
+                    seconds, error, splits, regs = time_engine_split(cp, module, problem, function, num_sms, warps_per_sm)
+                rows.append(dict(shape=shape, variant=f"{'lite' if lite_unpack else 'two-acc'} ring {stages}",
+                                 geometry=f"split {splits}", regs=regs, us=seconds * 1e6, error=error,
+                                 bytes=problem.weight_bytes))
+    for coal_depth in COAL_DEPTHS:
+        module = compile_lab(cp, coal_depth=coal_depth)
+        for shape in SHAPES:
+            for splits in COAL_SPLITS[shape]:
+                seconds, error, regs = time_coal(cp, module, problems[shape], COAL_KERNELS[shape], splits)
+                rows.append(dict(shape=shape, variant=f"coal depth {coal_depth}", geometry=f"split {splits}", regs=regs,
+                                 us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
     for r in rows:
         r["of_copy"] = r["bytes"] / (r["us"] * 1e-6) / copy
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s (read + write)")
