@@ -6,11 +6,15 @@
 // Reference: ops_numpy.embed: residual[t] = table[token_ids[t]] as fp32.
 // grid (T), block (EMBED_THREADS); token_ids int32 [T] (decode: the step state's token),
 // table fp16 [V, H], residual fp32 [T, H]. Ids are checked on the host (or come from argmax).
+// What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
+// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
 constexpr int EMBED_VECTORS = NQ_HIDDEN / 8;  // 16-byte pieces of a table row
 constexpr int EMBED_THREADS = EMBED_VECTORS < 1024 ? EMBED_VECTORS : 1024;
 
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
-embed_tokens(const int* __restrict__ token_ids, const uint4* __restrict__ table, float4* __restrict__ residual) {
+embed_tokens(const int* token_ids, const uint4* __restrict__ table, float4* __restrict__ residual) {
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // the token id comes from the step before (argmax_select_next)
   const long long token = token_ids[blockIdx.x];
   const uint4* source = table + token * EMBED_VECTORS;
   float4* destination = residual + (long long)blockIdx.x * (NQ_HIDDEN / 4);
@@ -38,7 +42,7 @@ embed_tokens(const int* __restrict__ token_ids, const uint4* __restrict__ table,
 //   q_out        fp32 [T, Q_DIM]
 constexpr int ROPE_THREADS = NQ_HEAD_DIM / 2;
 
-__device__ __forceinline__ float sum_partials(const float* __restrict__ partials, int num_partials, int partial_stride,
+__device__ __forceinline__ float sum_partials(const float* partials, int num_partials, int partial_stride,
                                               long long index) {
   float value = 0.0f;
   for (int p = 0; p < num_partials; ++p) value += partials[(long long)p * partial_stride + index];
@@ -46,9 +50,11 @@ __device__ __forceinline__ float sum_partials(const float* __restrict__ partials
 }
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
-rope_write_kv(const float* __restrict__ qkv_partials, int num_partials, int partial_stride,
-              const int* __restrict__ positions_base, const float* __restrict__ inv_freq,
+rope_write_kv(const float* qkv_partials, int num_partials, int partial_stride,
+              const int* positions_base, const float* __restrict__ inv_freq,
               const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer, float* __restrict__ q_out) {
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // the partials are the projection's output
   const int token = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
   const int position = positions_base[0] + token;
   const long long row = (long long)token * NQ_QKV_DIM;
@@ -86,7 +92,9 @@ rope_write_kv(const float* __restrict__ qkv_partials, int num_partials, int part
 // leaves gate|up rows [T, 2 I] in fp32 and this makes h fp16 [T, I].
 // grid-stride over T * I elements
 extern "C" __global__ void __launch_bounds__(256)
-silu_mul_rows(const float* __restrict__ gate_up, unsigned short* __restrict__ h, int num_tokens) {
+silu_mul_rows(const float* gate_up, unsigned short* __restrict__ h, int num_tokens) {
+  let_next_kernel_launch();
+  wait_for_previous_kernel();
   const long long total = (long long)num_tokens * NQ_INTERMEDIATE;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
     const long long token = e / NQ_INTERMEDIATE, j = e % NQ_INTERMEDIATE;

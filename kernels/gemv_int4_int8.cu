@@ -66,10 +66,12 @@ namespace int8_path {
 constexpr int QUANT_WARPS = 4;
 
 template <int K>
-__device__ __forceinline__ void quantize_activations_int8(const uint2* __restrict__ x,  // fp16 [K], 4 per uint2
+__device__ __forceinline__ void quantize_activations_int8(const uint2* x,  // fp16 [K], 4 per uint2
                                                           unsigned int* __restrict__ xq,  // int8 [K], pair order
                                                           float* __restrict__ xscale) {   // [K/128]
   static_assert(K % NQ_GROUP_SIZE == 0 && NQ_GROUP_SIZE == 4 * WARP_SIZE, "one warp per group, 4 per lane");
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // before the early exit: x is the kernel before's output
   const int lane = threadIdx.x % WARP_SIZE;
   const int group = blockIdx.x * QUANT_WARPS + threadIdx.x / WARP_SIZE;
   if (group >= K / NQ_GROUP_SIZE) return;  // a whole warp leaves together: its shuffles stay full
@@ -138,8 +140,8 @@ __device__ __forceinline__ int dot_word(unsigned int w, unsigned int act_lo, uns
 template <int K>
 __device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight,          // [N, K/32] chunks
                                                const unsigned short* __restrict__ wscale,  // fp16 [N, K/128]
-                                               const uint4* __restrict__ xq,       // int8 [K] pair order
-                                               const float* __restrict__ xscale,   // [K/128]
+                                               const uint4* xq,                    // int8 [K] pair order
+                                               const float* xscale,                // [K/128]
                                                const unsigned short* __restrict__ bias,  // fp16 [N] or null
                                                float* __restrict__ y, int rows) {  // [N]
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
@@ -147,6 +149,11 @@ __device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight
   constexpr int STEPS = (CHUNKS_PER_ROW + LANES_PER_ROW - 1) / LANES_PER_ROW;
   static_assert(K % NQ_GROUP_SIZE == 0, "K must be a multiple of the group size");
 
+  let_next_kernel_launch();
+  // xq and xscale are the quantize kernel's output. (A first batch of weights loaded before
+  // this wait would stay in flight across it only as ld.global, not as ld.global.nc: ptxas
+  // moves non-coherent loads freely across griddepcontrol.wait, and here moved the wait up.)
+  wait_for_previous_kernel();
   const int lane = threadIdx.x % LANES_PER_ROW;
   const int wanted_row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / LANES_PER_ROW;
   // Lanes past the last row work on a copy of it and store nothing, so that every lane of
@@ -178,14 +185,14 @@ __device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight
       // Whole quads are in or out (K is a multiple of 128): a quad never mixes a real
       // group with padding.
       if (lane + LANES_PER_ROW * step < CHUNKS_PER_ROW) {
-        const uint4 a0 = load_activations_16B(my_act + 2 * LANES_PER_ROW * step);
-        const uint4 a1 = load_activations_16B(my_act + 2 * LANES_PER_ROW * step + 1);
+        const uint4 a0 = my_act[2 * LANES_PER_ROW * step];
+        const uint4 a1 = my_act[2 * LANES_PER_ROW * step + 1];
         partial = dot_word(w[b].x, a0.x, a0.y, partial);
         partial = dot_word(w[b].y, a0.z, a0.w, partial);
         partial = dot_word(w[b].z, a1.x, a1.y, partial);
         partial = dot_word(w[b].w, a1.z, a1.w, partial);
         const int group_step = (LANES_PER_ROW / CHUNKS_PER_GROUP) * step;
-        scale = __fmul_rn(half_to_float(__ldg(my_wscale + group_step)), __ldg(my_xscale + group_step));
+        scale = __fmul_rn(half_to_float(__ldg(my_wscale + group_step)), my_xscale[group_step]);
       }
       partial += __shfl_xor_sync(FULL_MASK, partial, 1);
       partial += __shfl_xor_sync(FULL_MASK, partial, 2);
@@ -203,15 +210,17 @@ __device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight
 }  // namespace int8_path
 
 // Entry points, one per input width of the model (the names nanoqwen/int8_path.py looks up).
+// x, xq and xscale are earlier kernels' output, read with ordinary loads: no __restrict__ on
+// their pointers and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
 #define NQ_INT8_PATH_KERNELS(SUFFIX, K)                                                                 \
   extern "C" __global__ void __launch_bounds__(int8_path::QUANT_WARPS * WARP_SIZE)                     \
-      quantize_activations_int8_##SUFFIX(const uint2* __restrict__ x, unsigned int* __restrict__ xq,    \
+      quantize_activations_int8_##SUFFIX(const uint2* x, unsigned int* __restrict__ xq,                 \
                                          float* __restrict__ xscale) {                                  \
     int8_path::quantize_activations_int8<K>(x, xq, xscale);                                             \
   }                                                                                                     \
   extern "C" __global__ void __launch_bounds__(int8_path::GEMV_THREADS)                                 \
       gemv_int4_int8_##SUFFIX(const uint4* __restrict__ qweight, const unsigned short* __restrict__ wscale, \
-                              const uint4* __restrict__ xq, const float* __restrict__ xscale,           \
+                              const uint4* xq, const float* xscale,                                     \
                               const unsigned short* __restrict__ bias, float* __restrict__ y, int rows) { \
     int8_path::gemv_int4_int8<K>(qweight, wscale, xq, xscale, bias, y, rows);                           \
   }

@@ -30,30 +30,44 @@ __device__ __forceinline__ float dot8_half(uint4 w, uint4 x, float sum) {
   return sum;
 }
 
+// This lane's pieces of one row of the weight, all loads issued before any is used.
+__device__ __forceinline__ void load_lm_row(const uint4* __restrict__ weight, int row, int lane,
+                                            uint4 (&w)[LM_PIECES_PER_LANE]) {
+  const uint4* w_row = weight + (long long)row * LM_PIECES;
+#pragma unroll
+  for (int p = 0; p < LM_PIECES_PER_LANE; ++p) {
+    const int piece = lane + p * WARP_SIZE;
+    if (piece < LM_PIECES) w[p] = load_weights_16B(w_row + piece);
+  }
+}
+
 // grid (persistent: blocks that fit at once), block (LM_THREADS)
 //   x fp16 [H], weight fp16 [V, H], logits fp32 [V],
 //   candidate_values fp32 [gridDim.x], candidate_indices int32 [gridDim.x]
+// What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
+// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
 extern "C" __global__ void __launch_bounds__(LM_THREADS, 2)
-lm_head_logits(const uint4* __restrict__ x, const uint4* __restrict__ weight, float* __restrict__ logits,
+lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
                float* __restrict__ candidate_values, int* __restrict__ candidate_indices) {
   __shared__ uint4 x_shared[LM_PIECES];
   __shared__ float warp_values[LM_WARPS];
   __shared__ int warp_indices[LM_WARPS];
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-  for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = __ldg(x + piece);
+  let_next_kernel_launch();
+  // The weights are no kernel's output, so each warp's first row is on its way while the final
+  // norm, which writes x, finishes; every later row is loaded at the top of its iteration.
+  const int first_row = blockIdx.x * LM_WARPS + warp;
+  uint4 w[LM_PIECES_PER_LANE];
+  if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
+  wait_for_previous_kernel();
+  for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];
   __syncthreads();
 
   float best_value = NEGATIVE_INFINITY;
   int best_index = 0;
   const int warps_in_grid = gridDim.x * LM_WARPS;
-  for (int row = blockIdx.x * LM_WARPS + warp; row < NQ_VOCAB; row += warps_in_grid) {
-    const uint4* w_row = weight + (long long)row * LM_PIECES;
-    uint4 w[LM_PIECES_PER_LANE];
-#pragma unroll
-    for (int p = 0; p < LM_PIECES_PER_LANE; ++p) {
-      const int piece = lane + p * WARP_SIZE;
-      if (piece < LM_PIECES) w[p] = load_weights_16B(w_row + piece);
-    }
+  for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
+    if (row != first_row) load_lm_row(weight, row, lane, w);
     float sum = 0.0f;
 #pragma unroll
     for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
@@ -86,14 +100,17 @@ lm_head_logits(const uint4* __restrict__ x, const uint4* __restrict__ weight, fl
 // token, store it as the next step's input token, and advance position and sequence length,
 // so consecutive greedy steps can run without the host touching the state.
 // grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh)
+// The candidates are lm_head_logits' output: ordinary loads, as for x above.
 constexpr int ARGMAX_THREADS = 1024;
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_select_next(const float* __restrict__ candidate_values, const int* __restrict__ candidate_indices,
+argmax_select_next(const float* candidate_values, const int* candidate_indices,
                    int num_candidates, int* __restrict__ state) {
   __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // the candidates are lm_head_logits' output
   float value = NEGATIVE_INFINITY;
   int index = 0;
   for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {

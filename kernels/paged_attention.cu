@@ -290,6 +290,8 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
   DecodeShared& sh = *reinterpret_cast<DecodeShared*>(shared_raw);
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int split = blockIdx.x, kv_head = blockIdx.y, splits = gridDim.x;
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // every block, idle ones too: q and the new K/V are rope_write_kv's
 
   const int seq_len = *seq_len_ptr;
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
@@ -405,6 +407,8 @@ paged_attention_combine(const int* __restrict__ seq_len_ptr, const float* __rest
   __shared__ float weight[COMBINE_MAX_SPLITS];
   __shared__ float reduce[COMBINE_GROUPS];
   __shared__ float4 group_sum[COMBINE_GROUPS][WARP_SIZE];
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's
   const int seq_len = *seq_len_ptr;
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
   const int pages_per_split = (num_pages + splits - 1) / splits;
@@ -523,6 +527,8 @@ paged_attention_prefill(const float* __restrict__ q,            // [T, num_heads
                         unsigned short* __restrict__ out) {     // [T, num_heads * D] fp16
   extern __shared__ __align__(128) unsigned char shared_raw[];
   PrefillShared& sh = *reinterpret_cast<PrefillShared*>(shared_raw);
+  let_next_kernel_launch();
+  wait_for_previous_kernel();  // q and the prompt's K/V are rope_write_kv's output
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int g = lane >> 2, c = lane & 3;
   // The last token tiles see the most positions: launch them first.

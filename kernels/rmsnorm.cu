@@ -22,12 +22,24 @@ constexpr int RMS_ITEMS = (RMS_VECTORS + RMS_THREADS - 1) / RMS_THREADS;
 //   partials  fp32 [num_partials][T, H]: slice p of row t starts at p * partial_stride + t * H
 //   weight    fp16 [H]
 //   out       fp16 [T, H]
+// What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
+// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
-add_rmsnorm(float* __restrict__ residual, const float* __restrict__ partials, int num_partials, int partial_stride,
+add_rmsnorm(float* __restrict__ residual, const float* partials, int num_partials, int partial_stride,
             const unsigned short* __restrict__ weight, unsigned short* __restrict__ out) {
   __shared__ float scratch[RMS_THREADS / WARP_SIZE];
+  let_next_kernel_launch();
   const long long row = blockIdx.x;
   float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
+  // The norm's weights are no kernel's output: fetch them while the kernel before finishes.
+  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
+  uint2 w[RMS_ITEMS];
+#pragma unroll
+  for (int item = 0; item < RMS_ITEMS; ++item) {
+    const int v = threadIdx.x + item * RMS_THREADS;
+    if (v < RMS_VECTORS) w[item] = __ldg(weight4 + v);
+  }
+  wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
 
   float4 x[RMS_ITEMS];
   float sum_squares = 0.0f;
@@ -56,14 +68,12 @@ add_rmsnorm(float* __restrict__ residual, const float* __restrict__ partials, in
   const float inv_rms = 1.0f / sqrtf(mean_square + NQ_RMS_EPS);  // IEEE sqrt and division, like numpy
 
   uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
-  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
 #pragma unroll
   for (int item = 0; item < RMS_ITEMS; ++item) {
     const int v = threadIdx.x + item * RMS_THREADS;
     if (v < RMS_VECTORS) {
       residual_row[v] = x[item];
-      const uint2 w = __ldg(weight4 + v);
-      const float2 w01 = half2_to_float2(w.x), w23 = half2_to_float2(w.y);
+      const float2 w01 = half2_to_float2(w[item].x), w23 = half2_to_float2(w[item].y);
       out_row[v] = make_uint2(float2_to_half2(x[item].x * inv_rms * w01.x, x[item].y * inv_rms * w01.y),
                               float2_to_half2(x[item].z * inv_rms * w23.x, x[item].w * inv_rms * w23.y));
     }

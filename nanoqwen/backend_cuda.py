@@ -38,6 +38,7 @@ import numpy as np
 
 from . import cuda_build, ops_numpy
 from .config import PAGE_SIZE
+from .cuda_launch import StepKernel
 from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
 
@@ -128,7 +129,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
-                 activations: str = "fp16"):
+                 activations: str = "fp16", pdl: bool = True):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
@@ -137,6 +138,10 @@ class CudaBackend:
         every kernel from Python. `activations` picks the decode projections' input precision:
         "fp16" (Path B, the default) or "int8" (Path A of chapter 7: each projection's input is
         quantized to INT8 by a kernel of its own and multiplied with __dp4a; prefill is unchanged).
+        With `pdl` (the default) the decode graph is captured with programmatic dependent launches
+        (nanoqwen.cuda_launch), so each kernel may start while the one before it finishes; it
+        changes nothing in eager launches, and falls back to plain launches, with a warning, where
+        cuda.bindings is missing (`decode_graph().pdl` says which ran).
         """
         import cupy as cp
 
@@ -164,7 +169,7 @@ class CudaBackend:
 
         module = cuda_build.compile_module(c)
         self.kernels = {
-            name: module.get_function(name)
+            name: StepKernel(module.get_function(name), name)
             for name in (
                 "embed_tokens", "add_rmsnorm", "gemv_int4_from_hidden", "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
@@ -189,6 +194,7 @@ class CudaBackend:
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.use_graph = use_graph
+        self._pdl = bool(pdl)
         self._graph = None  # captured at the first graph decode
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
         self._pending = None  # the page table of the step in flight
@@ -388,8 +394,19 @@ class CudaBackend:
         if self._graph is None:
             from .cuda_graph import DecodeGraph
 
-            self._graph = DecodeGraph(self)
+            self._graph = DecodeGraph(self, pdl=self._pdl)
         return self._graph
+
+    @property
+    def pdl(self) -> bool:
+        """Whether the decode graph is to be captured with programmatic dependent launches."""
+        return self._pdl
+
+    @pdl.setter
+    def pdl(self, enabled: bool) -> None:
+        if bool(enabled) != self._pdl:
+            self._pdl = bool(enabled)
+            self._graph = None  # captured again, the other way, at the next graph decode
 
     def forget_step_inputs(self) -> None:
         """Say the device state is unknown, so the next step uploads its inputs (call it after

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import cuda_build
 from .config import PAGE_SIZE, ModelConfig
+from .cuda_launch import StepKernel
 
 __all__ = [
     "BrokenPagedAttention",
@@ -89,9 +90,11 @@ class PagedAttention:
         self.max_seq_len = int(max_seq_len)
         self.gqa = config.num_heads // config.num_kv_heads
         module = cuda_build.compile_module(config, files=(self.kernel_file,))
-        self._decode = module.get_function(self.decode_kernel)
-        self._prefill = module.get_function("paged_attention_prefill")
-        self._combine = module.get_function("paged_attention_combine")
+        # Inside the decode graph's capture, the kernels that wait for their predecessor launch
+        # with programmatic dependent launch (nanoqwen.cuda_launch); elsewhere plainly.
+        self._decode = StepKernel(module.get_function(self.decode_kernel), self.decode_kernel)
+        self._prefill = StepKernel(module.get_function("paged_attention_prefill"), "paged_attention_prefill")
+        self._combine = StepKernel(module.get_function("paged_attention_combine"), "paged_attention_combine")
 
         def device_int(name: str) -> int:
             return int(cp.ndarray((1,), cp.int32, memptr=module.get_global(name)).get()[0])

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cuda_launch import programmatic_launches
+
 EMPTY_KERNEL = r"""
 extern "C" __global__ void empty_kernel() { }
 """
@@ -47,12 +49,23 @@ def capture(stream, issue):
 
 
 class DecodeGraph:
-    """`backend.decode_step_launches` captured once on `backend.stream`; `launch()` replays it."""
+    """`backend.decode_step_launches` captured once on `backend.stream`; `launch()` replays it.
 
-    def __init__(self, backend):
+    With `pdl`, every kernel of the step that waits for its predecessor in the kernel itself
+    (nanoqwen.cuda_launch.KERNELS_THAT_WAIT) is captured as a programmatic dependent launch, so
+    it may start while the kernel before it finishes. `self.pdl` says whether that happened
+    (False where cuda.bindings is missing: the launches are then plain, after one warning).
+    """
+
+    def __init__(self, backend, pdl: bool = False):
         self.stream = backend.stream
         self.launches = backend.launches_per_token
-        self.graph = capture(self.stream, lambda: backend.decode_step_launches(self.stream))
+        with programmatic_launches(pdl) as self.pdl:
+            self.graph = capture(self.stream, lambda: backend.decode_step_launches(self.stream))
+
+    @property
+    def mode(self) -> str:
+        return "pdl" if self.pdl else "plain"
 
     def launch(self) -> None:
         self.graph.launch(self.stream)

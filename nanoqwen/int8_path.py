@@ -23,6 +23,7 @@ import functools
 import numpy as np
 
 from .config import GROUP_SIZE, ModelConfig
+from .cuda_launch import StepKernel
 from .loader import Int4Linear
 from .quant import dequantize_int4, unpack_int4
 
@@ -213,8 +214,10 @@ class Int8Gemv:
         self.qweight, self.scales, self.bias = qweight, scales, bias
         self.out_features, self.in_features = out_features, in_features
         module = compiled_module(config)
-        self._quantize_kernel = module.get_function(f"quantize_activations_int8_{suffix}")
-        self._gemv_kernel = module.get_function(f"gemv_int4_int8_{suffix}")
+        # Plain launches, except inside the decode graph's capture (nanoqwen.cuda_launch).
+        self._quantize_kernel = StepKernel(module.get_function(f"quantize_activations_int8_{suffix}"),
+                                           f"quantize_activations_int8_{suffix}")
+        self._gemv_kernel = StepKernel(module.get_function(f"gemv_int4_int8_{suffix}"), f"gemv_int4_int8_{suffix}")
         self.xq = cupy.empty(in_features, dtype=cupy.int8)  # pair order
         self.xscale = cupy.empty(in_features // GROUP_SIZE, dtype=cupy.float32)
         groups = in_features // GROUP_SIZE
