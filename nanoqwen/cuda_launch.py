@@ -21,6 +21,15 @@ CuPy kernel through the driver's cuLaunchKernelEx instead, from the optional pac
 
 Only the captured decode graph launches this way (nanoqwen.cuda_graph.DecodeGraph); eager
 launches stay plain CuPy launches, chapter 6's baseline for what the host costs.
+
+The read-only path. A kernel that waits reads what earlier kernels of the step wrote with
+ordinary loads, never through `__ldg` or a `const T* __restrict__` pointer, which compile to
+ld.global.nc: that path promises the data does not change while the kernel runs, and under
+PDL it does (the kernel before writes it after this one has started). ptxas relies on the
+promise and moves ld.global.nc across griddepcontrol.wait: in cuobjdump -sass, where the wait
+is ACQBULK and launch_dependents PREEXIT, paged_attention_decode loads `*seq_len_ptr` above the
+wait, and a variant of gemv_int4_int8 issued its activation loads above it. Weights, which no
+kernel writes, keep the read-only path, and may be loaded before the wait.
 """
 
 from __future__ import annotations
@@ -90,14 +99,6 @@ def launch_config(driver, grid: tuple, block: tuple, shared_mem: int, stream_ptr
     return config
 
 
-def error_name(driver, result) -> str:
-    """CUDA_ERROR_... for a CUresult, as the driver spells it."""
-    status, name = driver.cuGetErrorName(result)
-    if status == driver.CUresult.CUDA_SUCCESS and name:
-        return name.decode() if isinstance(name, bytes) else str(name)
-    return getattr(result, "name", str(result))
-
-
 # ---------------------------------------------------------------------------- arguments
 
 
@@ -161,13 +162,13 @@ class ProgrammaticKernel:
         grid, block = _dims("grid", grid), _dims("block", block)
         if stream is None:
             stream = cupy.cuda.get_current_stream()
-        pointers, values = pack_arguments(args)
+        pointers, values = pack_arguments(args)  # alive until the call returns: the driver copies them
         config = launch_config(self.driver, grid, block, int(shared_mem), stream.ptr)
         function = self.driver.CUfunction(getattr(self.kernel, "kernel", self.kernel).ptr)  # RawKernel or Function
         (result,) = self.driver.cuLaunchKernelEx(config, function, ctypes.addressof(pointers), 0)
-        del values  # the driver has copied them
         if result != self.driver.CUresult.CUDA_SUCCESS:
-            raise LaunchError(f"cuLaunchKernelEx of {self.name} {grid}x{block} failed: {error_name(self.driver, result)}")
+            name = getattr(result, "name", None) or str(result)  # the CUresult's name: CUDA_ERROR_...
+            raise LaunchError(f"cuLaunchKernelEx of {self.name} (grid {grid}, block {block}) failed: {name}")
 
 
 _launch_mode = threading.local()
