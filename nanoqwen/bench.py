@@ -2,7 +2,8 @@
 
 It reports time to first token, decode ms/token and tokens/s, the bytes one decoded token must
 read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
-decode, and where the microseconds of one step go, kernel by kernel. With `--baseline` it
+decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
+the microseconds of one step go, kernel by kernel. With `--baseline` it
 times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
 """
 
@@ -127,6 +128,31 @@ def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: i
 
 
 TIMING_STEPS = 64  # decode steps each step-level timing runs past the prompt
+PDL_ROUNDS = 3  # alternations of the PDL and plain graphs; each figure is the median over rounds
+
+
+def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:
+    """The decode step captured twice, with programmatic dependent launch and without, timed in
+    alternation in the same run: GPU events per step and a host loop per token for each."""
+    from .cuda_graph import DecodeGraph
+    from .cuda_launch import driver_module
+
+    graphs = {"on": DecodeGraph(backend, pdl=True), "off": DecodeGraph(backend, pdl=False)}
+    result = {"engine_graph": backend.decode_graph().mode, "pdl_graph": graphs["on"].mode}
+    if not graphs["on"].pdl:
+        return {**result, "measured": False, "reason": driver_module()[1]}
+    gpu, wall = {"on": [], "off": []}, {"on": [], "off": []}
+    for _ in range(rounds):
+        for name in ("off", "on"):
+            launch = graphs[name].launch
+            gpu[name].append(time_decode_steps(backend, launch, TIMING_STEPS, start_position, page_table))
+            wall[name].append(time_host_loop(backend, launch, TIMING_STEPS, start_position, page_table))
+    result.update(measured=True, rounds=rounds)
+    for name in ("on", "off"):
+        result[f"graph_ms_per_step_gpu_{name}"] = statistics.median(gpu[name])
+        result[f"graph_ms_per_token_wall_{name}"] = statistics.median(wall[name])
+    result["saving_us_per_step_gpu"] = (result["graph_ms_per_step_gpu_off"] - result["graph_ms_per_step_gpu_on"]) * 1e3
+    return result
 
 
 def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
@@ -214,6 +240,7 @@ def _step_costs(engine, ids: list[int], pages: int):
             "graph_ms_per_token_wall": time_host_loop(backend, graph.launch, TIMING_STEPS, prompt_tokens, page_table),
             "graph_ms_per_step_gpu": time_decode_steps(backend, graph.launch, TIMING_STEPS, prompt_tokens, page_table),
         }
+        step["pdl"] = pdl_comparison(backend, prompt_tokens, page_table)
         backend.set_step_inputs(1, prompt_tokens, page_table)
         timeline, empty_us = step_timeline(backend)
     finally:
@@ -227,6 +254,16 @@ def _step_costs(engine, ids: list[int], pages: int):
         kernels=kernel_table(timeline),
     )
     return step, [(n, round(s, 2), round(e, 2)) for n, s, e in timeline]
+
+
+def pdl_line(pdl: dict | None) -> str:
+    """The PDL on/off figure as one table cell."""
+    if pdl is None:
+        return "not measured (a report from before the comparison existed)"
+    if not pdl["measured"]:
+        return f"not measured: {pdl['reason']}"
+    return (f"{pdl['graph_ms_per_step_gpu_on']:.3f} ms on, {pdl['graph_ms_per_step_gpu_off']:.3f} ms off per step "
+            f"(GPU events): {pdl['saving_us_per_step_gpu']:+.1f} us saved; engine graph {pdl['engine_graph']}")
 
 
 def format_report(report: dict) -> str:
@@ -249,6 +286,7 @@ def format_report(report: dict) -> str:
             f"| eager step (wall) | {s['eager_ms_per_token_wall']:.3f} ms |",
             f"| graph step (wall) | {s['graph_ms_per_token_wall']:.3f} ms |",
             f"| graph step (GPU events) | {s['graph_ms_per_step_gpu']:.3f} ms |",
+            f"| programmatic dependent launch | {pdl_line(s.get('pdl'))} |",
             f"| sum of per-kernel in-graph costs | {s['attributed_us']:.1f} us ({s['unattributed_us']:+.1f} us unattributed) |",
             f"| empty kernel in a graph (gap floor) | {s['empty_kernel_us_per_launch']:.2f} us per launch |",
             "",
