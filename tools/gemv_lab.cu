@@ -351,6 +351,23 @@ lite_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short
 #define NQ_COAL_DEPTH 4
 #endif
 constexpr int COAL_DEPTH = NQ_COAL_DEPTH;
+
+// The same load as load_weights_16B, but volatile: the compiler must issue the loads in program
+// order with the other volatile statements, so a batch written before the arithmetic stays in
+// flight together instead of being sunk next to its first use (which a register-thrifty
+// schedule otherwise does, leaving two loads in flight per warp).
+__device__ __forceinline__ uint4 load_weights_16B_now(const void* address) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+__device__ __forceinline__ unsigned short load_scale_now(const unsigned short* address) {
+  unsigned short v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(address));
+  return v;
+}
 constexpr int GROUPS_PER_STEP = 8;
 
 // Dot products of rows r0 and r1 with x over groups [group_begin, group_end); every lane returns
@@ -374,10 +391,10 @@ __device__ __forceinline__ float2 coal_pair_dot(const uint4* __restrict__ qweigh
 #pragma unroll
   for (int u = 0; u < COAL_DEPTH; ++u) {
     const bool live = u < steps && group_begin + GROUPS_PER_STEP * u + g < group_end;
-    ring0[u] = live ? load_weights_16B(w0 + 32 * u) : zero;
-    ring1[u] = live ? load_weights_16B(w1 + 32 * u) : zero;
-    sring0[u] = live ? __ldg(s0 + GROUPS_PER_STEP * u) : (unsigned short)0;
-    sring1[u] = live ? __ldg(s1 + GROUPS_PER_STEP * u) : (unsigned short)0;
+    ring0[u] = live ? load_weights_16B_now(w0 + 32 * u) : zero;
+    ring1[u] = live ? load_weights_16B_now(w1 + 32 * u) : zero;
+    sring0[u] = live ? load_scale_now(s0 + GROUPS_PER_STEP * u) : (unsigned short)0;
+    sring1[u] = live ? load_scale_now(s1 + GROUPS_PER_STEP * u) : (unsigned short)0;
   }
   wait_for_previous_kernel();
   float acc0 = 0.0f, acc1 = 0.0f;
@@ -392,10 +409,10 @@ __device__ __forceinline__ float2 coal_pair_dot(const uint4* __restrict__ qweigh
         const bool live = group < group_end;
         const int next = step + COAL_DEPTH;
         const bool next_live = next < steps && group + GROUPS_PER_STEP * COAL_DEPTH < group_end;
-        ring0[u] = next_live ? load_weights_16B(w0 + 32 * next) : zero;
-        ring1[u] = next_live ? load_weights_16B(w1 + 32 * next) : zero;
-        sring0[u] = next_live ? __ldg(s0 + GROUPS_PER_STEP * next) : (unsigned short)0;
-        sring1[u] = next_live ? __ldg(s1 + GROUPS_PER_STEP * next) : (unsigned short)0;
+        ring0[u] = next_live ? load_weights_16B_now(w0 + 32 * next) : zero;
+        ring1[u] = next_live ? load_weights_16B_now(w1 + 32 * next) : zero;
+        sring0[u] = next_live ? load_scale_now(s0 + GROUPS_PER_STEP * next) : (unsigned short)0;
+        sring1[u] = next_live ? load_scale_now(s1 + GROUPS_PER_STEP * next) : (unsigned short)0;
         uint4 xv[4];
         const unsigned short* xg = x + min(group, GROUPS - 1) * NQ_GROUP_SIZE + 32 * t;
 #pragma unroll
@@ -471,6 +488,135 @@ coal_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* __res
   const int unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
   const int row = min(unit, NQ_INTERMEDIATE - 1);
   const float2 sums = coal_pair_dot<NQ_HIDDEN>(qweight, scales, x, row, NQ_INTERMEDIATE + row, 0, NQ_HIDDEN / NQ_GROUP_SIZE);
+  if (threadIdx.x % WARP_SIZE == 0 && unit < NQ_INTERMEDIATE)
+    h[row] = float_to_half(sums.x / (1.0f + expf(-sums.x)) * sums.y);
+}
+
+// ------------------------------------------------------------------------------------------
+// "coalring": the coal layout (512 contiguous bytes of one row per warp load) with the weights
+// travelling by cp.async into a shared-memory ring, STAGES - 1 steps ahead. ptxas sinks plain
+// loads next to their first use when registers are tight (the SASS of coal_gate_up_silu has
+// two weight loads in flight per warp, not eight); an asynchronous copy cannot be sunk that
+// way, and the bytes in flight cost no registers.
+// ------------------------------------------------------------------------------------------
+#ifndef NQ_COALRING_STAGES
+#define NQ_COALRING_STAGES 5
+#endif
+constexpr int COALRING_STAGES = NQ_COALRING_STAGES;
+constexpr int COALRING_WARPS = 4;  // warps per block
+
+template <int K>
+__device__ __forceinline__ float2 coalring_pair_dot(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                                                    const unsigned short* __restrict__ x, int r0, int r1,
+                                                    int group_begin, int group_end) {
+  constexpr int CHUNKS_PER_ROW = K / 32;
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  constexpr int STAGES = COALRING_STAGES;
+  __shared__ uint4 ring_all[COALRING_WARPS][STAGES][2][WARP_SIZE];
+  uint4 (&ring)[STAGES][2][WARP_SIZE] = ring_all[threadIdx.x / WARP_SIZE];
+  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+  const bool holder = t == g / 2;
+  const uint4* w0 = qweight + (long long)r0 * CHUNKS_PER_ROW + 4 * group_begin + lane;
+  const uint4* w1 = qweight + (long long)r1 * CHUNKS_PER_ROW + 4 * group_begin + lane;
+  const unsigned short* s0 = scales + (long long)r0 * GROUPS + group_begin + g;
+  const unsigned short* s1 = scales + (long long)r1 * GROUPS + group_begin + g;
+  const int steps = (group_end - group_begin + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;
+  const int live_steps_of_lane = (group_end - group_begin - g + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;  // steps where this lane's group exists
+  unsigned short scale_ring[STAGES][2];  // raw fp16: converting at fetch would wait for the load
+#define NQ_COALRING_FETCH(STEP, SLOT)                                  \
+  do {                                                                 \
+    if ((STEP) < live_steps_of_lane) {                                 \
+      copy_async_16B(&ring[SLOT][0][lane], w0 + 32 * (STEP));          \
+      copy_async_16B(&ring[SLOT][1][lane], w1 + 32 * (STEP));          \
+      scale_ring[SLOT][0] = __ldg(s0 + GROUPS_PER_STEP * (STEP));                 \
+      scale_ring[SLOT][1] = __ldg(s1 + GROUPS_PER_STEP * (STEP));                 \
+    }                                                                  \
+  } while (0)
+#pragma unroll
+  for (int u = 0; u < STAGES - 1; ++u) {
+    NQ_COALRING_FETCH(u, u);
+    copy_async_commit();
+  }
+  wait_for_previous_kernel();
+  float acc0 = 0.0f, acc1 = 0.0f;
+  for (int first = 0; first < steps; first += STAGES) {
+#pragma unroll
+    for (int u = 0; u < STAGES; ++u) {
+      const int step = first + u;
+      NQ_COALRING_FETCH(step + STAGES - 1, (u + STAGES - 1) % STAGES);
+      copy_async_commit();
+      copy_async_wait<STAGES - 1>();
+      if (step < steps) {  // warp-uniform
+        const bool live = step < live_steps_of_lane;
+        const int group = min(group_begin + GROUPS_PER_STEP * step + g, GROUPS - 1);
+        const uint4 zero = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);  // q = 0
+        const uint4 a = live ? ring[u][0][lane] : zero, b = live ? ring[u][1][lane] : zero;
+        uint4 xv[4];
+        const unsigned short* xg = x + group * NQ_GROUP_SIZE + 32 * t;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = load_activations_16B(xg + 8 * j);
+        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
+                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
+                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
+                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
+        const unsigned int words0[4] = {a.x, a.y, a.z, a.w}, words1[4] = {b.x, b.y, b.z, b.w};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          unsigned int p0[4], p1[4];
+          unpack_int4_word(words0[j], p0);
+          unpack_int4_word(words1[j], p1);
+          mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
+          mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
+        }
+        if (live) {
+          acc0 = fmaf(half_to_float(scale_ring[u][0]), (g & 1) ? d[1] : d[0], acc0);
+          acc1 = fmaf(half_to_float(scale_ring[u][1]), (g & 1) ? d[3] : d[2], acc1);
+        }
+      }
+    }
+  }
+#undef NQ_COALRING_FETCH
+  return make_float2(warp_sum(holder ? acc0 : 0.0f), warp_sum(holder ? acc1 : 0.0f));
+}
+
+template <int K>
+__device__ __forceinline__ void coalring_partials(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                                                  const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,
+                                                  float* __restrict__ partials, int n_rows, int splits) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  let_next_kernel_launch();
+  const int pairs = (n_rows + 1) / 2;
+  const int unit = blockIdx.x * COALRING_WARPS + threadIdx.x / WARP_SIZE;
+  const int pair = min(unit / splits, pairs - 1), split = unit % splits;
+  const int r0 = 2 * pair, r1 = min(r0 + 1, n_rows - 1);
+  const float2 sums = coalring_pair_dot<K>(qweight, scales, x, r0, r1, split * GROUPS / splits, (split + 1) * GROUPS / splits);
+  if (threadIdx.x % WARP_SIZE == 0 && unit < pairs * splits) {
+    float* out = partials + (long long)split * n_rows;
+    const bool add_bias = bias != nullptr && split == 0;
+    out[r0] = sums.x + (add_bias ? half_to_float(bias[r0]) : 0.0f);
+    if (r0 + 1 < n_rows) out[r0 + 1] = sums.y + (add_bias ? half_to_float(bias[r0 + 1]) : 0.0f);
+  }
+}
+
+#define NQ_COALRING_PARTIALS(NAME, K)                                                                           \
+  extern "C" __global__ void __launch_bounds__(COALRING_WARPS * WARP_SIZE)                                      \
+      NAME(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,                       \
+           const unsigned short* __restrict__ bias, const unsigned short* __restrict__ x,                      \
+           float* __restrict__ partials, int n_rows, int splits) {                                              \
+    coalring_partials<K>(qweight, scales, bias, x, partials, n_rows, splits);                                  \
+  }
+NQ_COALRING_PARTIALS(coalring_from_hidden, NQ_HIDDEN)
+NQ_COALRING_PARTIALS(coalring_from_q_dim, NQ_Q_DIM)
+NQ_COALRING_PARTIALS(coalring_from_intermediate, NQ_INTERMEDIATE)
+
+extern "C" __global__ void __launch_bounds__(COALRING_WARPS * WARP_SIZE)
+coalring_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                      const unsigned short* __restrict__ x, unsigned short* __restrict__ h) {
+  let_next_kernel_launch();
+  const int unit = blockIdx.x * COALRING_WARPS + threadIdx.x / WARP_SIZE;
+  const int row = min(unit, NQ_INTERMEDIATE - 1);
+  const float2 sums = coalring_pair_dot<NQ_HIDDEN>(qweight, scales, x, row, NQ_INTERMEDIATE + row, 0, NQ_HIDDEN / NQ_GROUP_SIZE);
   if (threadIdx.x % WARP_SIZE == 0 && unit < NQ_INTERMEDIATE)
     h[row] = float_to_half(sums.x / (1.0f + expf(-sums.x)) * sums.y);
 }

@@ -27,9 +27,9 @@ from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 from tools.bench_kernels import copies_for, copy_bandwidth, median_launch_seconds, random_scales, random_words  # noqa: E402
 
 # (depth, max threads, min blocks): registers per thread <= 65536 / (threads * min blocks)
-COMPILE_VARIANTS = [(2, 256, 4), (4, 256, 3)]
+COMPILE_VARIANTS = [(2, 256, 4)]
 # (lite unpack?, ring stages) for the engine-shaped "lite" kernels
-LITE_VARIANTS = [(1, 8), (1, 4), (0, 8)]
+LITE_VARIANTS = [(0, 8)]
 LITE_KERNELS = {"qkv": "lite_from_hidden", "o": "lite_from_q_dim", "down": "lite_from_intermediate",
                 "gate_up": "lite_gate_up_silu"}
 C = QWEN25_CODER_7B
@@ -50,8 +50,9 @@ GEOMETRIES = {
 }
 
 
-COAL_DEPTHS = (2, 4, 8)
-COAL_SPLITS = {"qkv": (1, 2), "o": (1, 2), "down": (1, 2, 4), "gate_up": (1,)}
+COAL_DEPTHS = (4,)
+COALRING_STAGES = (4, 6, 8)
+COAL_SPLITS = {"qkv": (1, 2), "o": (1, 2), "down": (1, 2, 4, 8), "gate_up": (1,)}
 COAL_KERNELS = {"qkv": "coal_from_hidden", "o": "coal_from_q_dim", "down": "coal_from_intermediate",
                 "gate_up": "coal_gate_up_silu"}
 
@@ -79,8 +80,8 @@ def time_coal(cp, module, problem, kernel, splits):
     return timed(cp, launch, problem.copies), error, function.num_regs
 
 
-def compile_lab(cp, depth=2, threads=256, min_blocks=4, lite=1, stages=8, coal_depth=4):
-    defines = {"NQ_COAL_DEPTH": str(coal_depth), **cuda_build.kernel_defines(C), "NQ_LAB_DEPTH": str(depth), "NQ_LAB_MAX_THREADS": str(threads),
+def compile_lab(cp, depth=2, threads=256, min_blocks=4, lite=1, stages=8, coal_depth=4, coalring_stages=5):
+    defines = {"NQ_COAL_DEPTH": str(coal_depth), "NQ_COALRING_STAGES": str(coalring_stages), **cuda_build.kernel_defines(C), "NQ_LAB_DEPTH": str(depth), "NQ_LAB_MAX_THREADS": str(threads),
                "NQ_LAB_MIN_BLOCKS": str(min_blocks), "NQ_LAB_LITE": str(lite), "NQ_GEMV_STAGES": str(stages),
                "NQ_SOURCES_HASH": "0x" + cuda_build.sources_hash()}
     source = (REPO / "tools" / "gemv_lab.cu").read_text()
@@ -209,12 +210,12 @@ def main(argv=None) -> None:
     if args.profile:
         global PROFILING
         PROFILING = True
-        lite = compile_lab(cp, lite=1, stages=8)
+        lite = compile_lab(cp, lite=1, stages=8, coalring_stages=8)
         for shape, (n, k, lab_kernel, engine_kernel, _) in SHAPES.items():
             for _ in range(2):
                 time_engine(cp, engine, problems[shape], engine_kernel, num_sms)
                 time_engine(cp, lite, problems[shape], LITE_KERNELS[shape], num_sms)
-                time_coal(cp, lite, problems[shape], COAL_KERNELS[shape], COAL_SPLITS[shape][-1])
+                time_coal(cp, lite, problems[shape], COAL_KERNELS[shape].replace("coal_", "coalring_"), COAL_SPLITS[shape][-1])
         return
     copy = copy_bandwidth(cp)
     rows = []
@@ -252,6 +253,14 @@ def main(argv=None) -> None:
             for splits in COAL_SPLITS[shape]:
                 seconds, error, regs = time_coal(cp, module, problems[shape], COAL_KERNELS[shape], splits)
                 rows.append(dict(shape=shape, variant=f"coal depth {coal_depth}", geometry=f"split {splits}", regs=regs,
+                                 us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
+    for ring_stages in COALRING_STAGES:
+        module = compile_lab(cp, coalring_stages=ring_stages)
+        for shape in SHAPES:
+            for splits in COAL_SPLITS[shape]:
+                kernel = COAL_KERNELS[shape].replace("coal_", "coalring_")
+                seconds, error, regs = time_coal(cp, module, problems[shape], kernel, splits)
+                rows.append(dict(shape=shape, variant=f"coalring {ring_stages}", geometry=f"split {splits}", regs=regs,
                                  us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
     for r in rows:
         r["of_copy"] = r["bytes"] / (r["us"] * 1e-6) / copy
