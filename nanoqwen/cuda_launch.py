@@ -26,9 +26,10 @@ The read-only path. A kernel that waits reads what earlier kernels of the step w
 ordinary loads, never through `__ldg` or a `const T* __restrict__` pointer, which compile to
 ld.global.nc: that path promises the data does not change while the kernel runs, and under
 PDL it does (the kernel before writes it after this one has started). ptxas relies on the
-promise and moves ld.global.nc across griddepcontrol.wait: in cuobjdump -sass, where the wait
-is ACQBULK and launch_dependents PREEXIT, paged_attention_decode loads `*seq_len_ptr` above the
-wait, and a variant of gemv_int4_int8 issued its activation loads above it. Weights, which no
+promise and moves ld.global.nc across griddepcontrol.wait: in the sm_90a code of nvcc 13.0,
+disassembled with cuobjdump -sass (the wait is ACQBULK, launch_dependents PREEXIT),
+paged_attention_decode loads `*seq_len_ptr` above the wait, and a variant of gemv_int4_int8
+issued its activation loads above it. Weights, which no
 kernel writes, keep the read-only path, and may be loaded before the wait.
 """
 

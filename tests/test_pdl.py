@@ -455,12 +455,15 @@ def test_every_kernel_of_a_step_writes_the_same_bits_with_and_without_pdl(pdl_av
 
 
 LATE_WRITER = r"""
-extern "C" __global__ void write_late(const float* source, float* destination, int n, long long delay_ns) {
+extern "C" __global__ void write_late(const unsigned* q_source, unsigned* q, int q_words, const unsigned* kv_source,
+                                      unsigned* kv, long long kv_words, long long delay_ns) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start now
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (unsigned long long)delay_ns);
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) destination[i] = source[i];
+  const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = first; i < q_words; i += stride) q[i] = q_source[i];
+  for (long long i = first; i < kv_words; i += stride) kv[i] = kv_source[i];
 }
 """
 
@@ -468,15 +471,16 @@ extern "C" __global__ void write_late(const float* source, float* destination, i
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_attention_started_early_waits_for_its_query(pdl_available, splits, graph):
-    """A kernel that lets attention launch at once, then writes q 50 us later: attention must
-    wait for it. 37 positions end in a page holding 5 rows; 3 splits make the combine run."""
+def test_attention_started_early_waits_for_its_inputs(pdl_available, splits, graph):
+    """A kernel that lets attention launch at once, then, 50 us later, writes q and the whole
+    KV layer over NaN: attention must wait for it (its loads and its bulk copies). 37 positions
+    end in a page holding 5 rows; 3 splits make the combine kernel run too."""
     import cupy as cp
 
     from nanoqwen import ops_numpy
+    from nanoqwen.cli import DEFAULT_MODEL
     from nanoqwen.config import PAGE_SIZE
     from nanoqwen.cuda_attention import PagedAttention, random_paged_cache, relative_error
-    from nanoqwen.cli import DEFAULT_MODEL
     from nanoqwen.loader import load
 
     model = load(DEFAULT_MODEL)
@@ -491,14 +495,16 @@ def test_attention_started_early_waits_for_its_query(pdl_available, splits, grap
     write_late = cp.RawKernel(LATE_WRITER, "write_late")
     table_d = cp.full(256 // PAGE_SIZE, -1, dtype=cp.int32)
     table_d[: len(table)] = cp.asarray(table)
-    kv, source = cp.asarray(pool[0]), cp.asarray(q)
-    q_d, out = cp.full(config.q_dim, np.nan, cp.float32), cp.full(config.q_dim, np.nan, cp.float16)
+    q_source, kv_source = cp.asarray(q), cp.asarray(pool[0])
+    q_d, kv = cp.full_like(q_source, np.nan), cp.full_like(kv_source, np.nan)
+    out = cp.full(config.q_dim, np.nan, cp.float16)
     seq_len_d = cp.asarray(np.array([seq_len], np.int32))
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
 
     def issue():
-        write_late((1,), (256,), (source, q_d, np.int32(config.q_dim), np.int64(50_000)))
+        write_late((8,), (256,), (q_source, q_d, np.int32(q_d.size), kv_source, kv, np.int64(kv.nbytes // 4),
+                                  np.int64(50_000)))
         attention.decode(q_d, kv, table_d, seq_len_d, out, stream=stream)
 
     with stream, programmatic_launches() as active:
