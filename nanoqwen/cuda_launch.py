@@ -29,8 +29,8 @@ PDL it does (the kernel before writes it after this one has started). ptxas reli
 promise and moves ld.global.nc across griddepcontrol.wait: in the sm_90a code of nvcc 13.0,
 disassembled with cuobjdump -sass (the wait is ACQBULK, launch_dependents PREEXIT),
 paged_attention_decode loads `*seq_len_ptr` above the wait, and a variant of gemv_int4_int8
-issued its activation loads above it. Weights, which no
-kernel writes, keep the read-only path, and may be loaded before the wait.
+issued its activation loads above it. Weights, which no kernel writes, keep the read-only path
+and may be loaded before the wait.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ KERNELS_THAT_WAIT = frozenset({
       for width in ("hidden", "q_dim", "intermediate")),
 })
 
-# numpy scalar type -> the C type the kernel parameter has. Nothing else passes: CuPy would
-# turn a Python int into an int64 and a float into a double, which a kernel taking an int or a
-# float then reads wrongly, without any error.
+# numpy scalar type -> the C type of the kernel parameter. Nothing else passes: CuPy turns a
+# Python int into an int64 and a float into a double, and the driver copies as many bytes as
+# the parameter has, so a float parameter would get half a double, without any error (an int
+# one gets the right value only by the accident of little-endian order).
 SCALAR_TYPES = {
     np.dtype(np.int32): ctypes.c_int32,
     np.dtype(np.uint32): ctypes.c_uint32,
