@@ -46,7 +46,9 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 //      are visible, and, because that kernel waited for its own predecessor, every earlier one;
 //   4. everything else.
 // Every block of every kernel must reach step 3 before it exits or writes anything, or the chain
-// of completions in 3 breaks. Launched without the attribute (eager launches, CPU-side tests),
+// of completions in 3 breaks. What step 4 reads of earlier kernels' output goes through ordinary
+// (coherent) loads: ptxas treats ld.global.nc (__ldg, const __restrict__ pointers) as reading
+// immutable memory and moves it across the wait in either direction. Launched without the attribute (eager launches, CPU-side tests),
 // both instructions are no-ops.
 __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -88,9 +90,27 @@ __device__ __forceinline__ uint4 load_weights_16B(const void* address) {
   return v;
 }
 
-// Activations: small, read by every warp, so let them live in L1.
+// The same request as an ordinary (coherent) load, for weights a kernel asks for before
+// wait_for_previous_kernel(): ptxas keeps coherent loads on their side of griddepcontrol.wait,
+// while it hoisted the wait above ld.global.nc weight loads written before it (nvcc 13.0 SASS).
+__device__ __forceinline__ uint4 prefetch_weights_16B(const void* address) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
+// Activations: small, read by every warp, so let them live in L1. They are the previous
+// kernel's output, so the load is an ordinary coherent one, never ld.global.nc (__ldg): ptxas
+// moves non-coherent loads across griddepcontrol.wait (see the section on programmatic
+// dependent launch above), and volatile keeps the compiler from doing the same.
 __device__ __forceinline__ uint4 load_activations_16B(const void* address) {
-  return __ldg(reinterpret_cast<const uint4*>(address));
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
 }
 
 // ---------------------------------------------------------------- reductions

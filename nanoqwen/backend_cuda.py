@@ -46,6 +46,7 @@ from .loader import Int4Linear, Model
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_PAGE_TABLE = 0, 1, 2, 3
 TILE_ROWS = 16  # rows per warp in the INT4 GEMV (gemv_int4.cu)
 GEMV_THREADS = 32  # one warp per block
+GATE_UP_WARPS = 4  # warps per block of gemv_int4_gate_up_silu, one output row each (gemv_int4.cu)
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
@@ -102,6 +103,11 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     groups = in_features // group_size
     wanted = -(-warps_per_sm * num_sms // tiles)
     return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT))
+
+
+def gate_up_launch(intermediate_size: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of gemv_int4_gate_up_silu: one warp per output row."""
+    return (-(-intermediate_size // GATE_UP_WARPS),), (GATE_UP_WARPS * 32,)
 
 
 def persistent_blocks(kernel, threads: int, num_sms: int) -> int:
@@ -320,8 +326,7 @@ class CudaBackend:
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
             self.kernels["gemv_int4_gate_up_silu"](
-                (-(-c.intermediate_size // TILE_ROWS),), (GEMV_THREADS,),
-                (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden),
+                *gate_up_launch(c.intermediate_size), (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden),
             )
             return
         self.int8_layers[layer]["gate_up"](self.normed, self.gate_up_out)

@@ -34,7 +34,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, CudaBackend, block_threads, gemv_splits,
+    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, CudaBackend, block_threads, gate_up_launch, gemv_splits,
     persistent_blocks,
 )
 
@@ -195,7 +195,7 @@ def test_gemv_int4_gate_up_silu(config_name):
     x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
     out = poisoned(i, cp.float16)
     kernel(config_name, "gemv_int4_gate_up_silu")(
-        (-(-i // TILE_ROWS),), (GEMV_THREADS,), (cp.asarray(qweight), cp.asarray(scales), cp.asarray(x), out)
+        *gate_up_launch(i), (cp.asarray(qweight), cp.asarray(scales), cp.asarray(x), out)
     )
     rows = checked_rows(rng, i)
     gate, gate_bound = int4_reference(qweight, scales, None, x, rows)

@@ -233,7 +233,7 @@ def test_step_kernel_uses_pdl_inside_only_if_it_waits(fake_cupy, driver):
     with programmatic_launches() as active:
         assert active and programmatic_launches_active()
         StepKernel(waits, "add_rmsnorm")((1,), (32,), ())
-        StepKernel(plain, "gemv_int4_from_hidden")((1,), (32,), ())  # its file does not wait (yet)
+        StepKernel(plain, "dequantize_int4_to_half")((1,), (32,), ())  # prefill only: it does not wait
     assert not programmatic_launches_active()
     assert waits.calls == [] and len(driver.launches) == 1
     assert len(plain.calls) == 1

@@ -281,8 +281,7 @@ class PathB:
 def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
     """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
     bc = path_b.backend_cuda
-    path_b.kernels["gemv_int4_gate_up_silu"](
-        (-(-CONFIG.intermediate_size // bc.TILE_ROWS),), (bc.GEMV_THREADS,), (qweight, scales, x, h))
+    path_b.kernels["gemv_int4_gate_up_silu"](*bc.gate_up_launch(CONFIG.intermediate_size), (qweight, scales, x, h))
 
 
 # ----------------------------------------------------------------------------- one shape

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, block_threads, gemv_splits, persistent_blocks  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, block_threads, gate_up_launch, gemv_splits, persistent_blocks  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
@@ -113,11 +113,11 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     function = module.get_function(kernel)
     if fused:
         splits, out = 1, cp.empty(n, dtype=cp.float16)
-        grid = -(-n // TILE_ROWS)
+        grid, block = gate_up_launch(n)
         out_bytes = n * 2
 
         def launch(i):
-            function((grid,), (GEMV_THREADS,), (qweights[i], scales[i], x, out))
+            function(grid, block, (qweights[i], scales[i], x, out))
     else:
         splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
         out = cp.empty((splits, n), dtype=cp.float32)
@@ -131,7 +131,8 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
 
     seconds = median_launch_seconds(cp, launch, copies)
     shape = f"{'2x' if fused else ''}{n}x{k}"
-    return dict(name=name, shape=shape, config=f"split {splits}, {grid} warps", seconds=seconds,
+    warps = grid[0] * block[0] // 32 if fused else grid
+    return dict(name=name, shape=shape, config=f"split {splits}, {warps} warps", seconds=seconds,
                 bytes=weight_bytes + k * 2 + out_bytes)
 
 

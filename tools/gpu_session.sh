@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 case "${1:-checks}" in
   checks)
-    step "GPU tests" 240 $PYTEST tests/test_cuda_graph.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
+    step "GPU tests" 240 $PYTEST tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 150 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json" --baseline
     step "int8 vs fp16 bench" 70 python3 tools/bench_int8_vs_fp16.py --json "$OUT/int8_vs_fp16.json"
