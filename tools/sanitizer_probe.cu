@@ -29,6 +29,26 @@
 // of `empty`): a real read-before-the-bytes-landed race, the positive control racecheck must
 // report. A `_decode_broken` kernel has the hooks of kernels/paged_attention_broken.cu (see Hooks).
 //
+// A second axis, the hand-off (see Handoff), keeps the bulk copy and changes how the stages are
+// passed back and forth. racecheck 2025.3 reported a WAR on every fixed ring above, always a
+// consumer lane other than lane 0 reading and the producer's next copy writing: either it does
+// not take `empty` (consumer arrives on an mbarrier, producer waits on it) as happens-before, or
+// it does, but not the __syncwarp() that orders lanes 1-31's reads before lane 0's arrival.
+//
+//   bulk_lane_empty   every consumer lane arrives on `empty` itself (32 arrivals), no __syncwarp
+//   bulk_named_empty  `empty` is a hardware named barrier per stage: the consumer warp
+//                     bar.arrive, the producer warp bar.sync before refilling the stage
+//   bulk_named_both   `full` is one too: the producer waits on the copy's mbarrier itself, then
+//                     bar.arrive; the consumer warp bar.sync before reading
+//
+// Their `_broken` twins (Hooks::SkipFirstFullWait) leave out the consumers' wait for the bytes
+// in each stage's first round only and keep every other hand-off, so they differ from their
+// fixed kernel in the one edge racecheck must see. (Leaving out every wait, as the other twins
+// do, would let a consumer warp lap the producer and arrive twice on one named barrier or run
+// an mbarrier two phases ahead: a hang, not a race.)
+// The `_decode_broken` kernel needs no named twin: paged_attention_broken.cu replaces all four
+// hooks, both directions, so with named barriers in the fixed kernel it is bulk_decode_broken.
+//
 // Pool layout, like one KV page slice at head_dim 128: int32 [slices][16 rows][64 words].
 
 constexpr int PROBE_STAGES = 4;
@@ -77,6 +97,13 @@ struct ProbeShared {
   unsigned long long empty[PROBE_STAGES];
 };
 __device__ int probe_smem_bytes = sizeof(ProbeShared);
+
+// Named barriers: 0 is __syncthreads; stage s's `full` is 1 + s, its `empty` 1 + STAGES + s. Each
+// is met by the producer warp and the one consumer warp that reads stage s.
+constexpr int FULL_BARRIER0 = 1;
+constexpr int EMPTY_BARRIER0 = FULL_BARRIER0 + PROBE_STAGES;
+constexpr int STAGE_BARRIER_THREADS = 2 * 32;
+static_assert(EMPTY_BARRIER0 + PROBE_STAGES <= 16, "a block has 16 named barriers");
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
@@ -130,6 +157,17 @@ __device__ __forceinline__ void cp_async_arrive_noinc(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(bar)) : "memory");
 }
 
+// Hardware named barrier `id`: bar.arrive counts the warp's arrival and goes on, bar.sync
+// counts it and waits until STAGE_BARRIER_THREADS threads have arrived. Both are .aligned: the
+// whole warp executes them, converged.
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(STAGE_BARRIER_THREADS) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(STAGE_BARRIER_THREADS) : "memory");
+}
+
 enum class Copy { Bulk, BulkCopyFirst, BulkSplit, Tma1d, Tma3d, CpAsync, Plain };
 
 __host__ __device__ constexpr bool every_lane_copies(Copy c) { return c == Copy::CpAsync || c == Copy::Plain; }
@@ -139,24 +177,51 @@ __host__ __device__ constexpr bool every_lane_copies(Copy c) { return c == Copy:
 // consumers neither wait nor release, and the producer waits only for its own copies (so no copy
 // is in flight when the block exits, and no barrier phase can run two ahead of a waiter).
 // DecodeBroken: kernels/paged_attention_broken.cu's hooks, i.e. NoConsumerWait plus a
-// __syncthreads() that only the producer warp reaches.
-enum class Hooks { Fixed, NoConsumerWait, DecodeBroken };
+// __syncthreads() that only the producer warp reaches. SkipFirstFullWait: as Fixed, except that
+// the consumers read each stage's first round without waiting for the bytes (as if a fresh stage
+// needed no wait, the mirror of the producer's first fill, which needs no release) and the
+// producer waits for its own copies after issuing them.
+enum class Hooks { Fixed, NoConsumerWait, DecodeBroken, SkipFirstFullWait };
+
+// How stages change hands (the header's second axis). Mbarrier: the decode kernel as it is.
+enum class Handoff { Mbarrier, LaneEmpty, NamedEmpty, NamedBoth };
+
+__host__ __device__ constexpr bool named_empty(Handoff f) { return f == Handoff::NamedEmpty || f == Handoff::NamedBoth; }
+
+// NamedBoth: the producer tells the consumers that page i has landed once it has issued page
+// i + PUBLISH_LAG, so STAGES - 1 copies stay in flight; any larger lag deadlocks, since stage
+// i % STAGES is refilled, after the consumer of page i released it, at page i + STAGES.
+constexpr int PUBLISH_LAG = PROBE_STAGES - 1;
+
+// NamedBoth, producer warp: wait until page j's bytes have landed (the copy completes on the
+// stage's mbarrier, which only this warp waits on), then let its consumer warp through; under
+// SkipFirstFullWait nobody waits for a first round, so it is not published.
+template <Hooks H>
+__device__ __forceinline__ void publish_landed(unsigned long long* full, int j) {
+  if (H == Hooks::SkipFirstFullWait && j < PROBE_STAGES) return;
+  mbar_wait(&full[j % PROBE_STAGES], (j / PROBE_STAGES) & 1);
+  __syncwarp();  // converged for the .aligned barrier
+  named_barrier_arrive(FULL_BARRIER0 + j % PROBE_STAGES);
+}
 
 // Grid (blocks), PROBE_THREADS threads, sizeof(ProbeShared) dynamic shared memory. Block b sums
 // slices table[b n .. b n + n) into out[b n ..]. `source` is the pool (raw mechanisms) or the
 // tensor map's generic address (tensor mechanisms, whose map describes the pool).
-template <Copy C, Hooks H>
+template <Copy C, Hooks H, Handoff F = Handoff::Mbarrier>
 __device__ __forceinline__ void ring(const void* source, const int* __restrict__ table, int n, int* __restrict__ out) {
   extern __shared__ __align__(128) unsigned char shared_raw[];
   ProbeShared& sh = *reinterpret_cast<ProbeShared*>(shared_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int* block_table = table + blockIdx.x * n;
   static_assert(H != Hooks::DecodeBroken || !every_lane_copies(C), "the broken decode kernel has one issuing lane");
+  static_assert(F == Handoff::Mbarrier || (C == Copy::Bulk && (H == Hooks::Fixed || H == Hooks::SkipFirstFullWait)),
+                "the hand-off variants keep the decode kernel's bulk copy; their broken twin is SkipFirstFullWait");
+  constexpr bool releases = H == Hooks::Fixed || H == Hooks::SkipFirstFullWait;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < PROBE_STAGES; ++s) {
       mbar_init(&sh.full[s], every_lane_copies(C) ? 32 : 1);
-      mbar_init(&sh.empty[s], 1);
+      mbar_init(&sh.empty[s], F == Handoff::LaneEmpty ? 32 : 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -190,8 +255,14 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
         }
         if constexpr (H != Hooks::Fixed) mbar_wait(&sh.full[stage], round & 1);
       } else {
+        // The whole warp meets the named barrier, from the stage's second round on: its first
+        // fill needs no release.
+        if constexpr (releases && named_empty(F)) {
+          __syncwarp();  // converged for the .aligned barrier
+          if (round > 0) named_barrier_sync(EMPTY_BARRIER0 + stage);
+        }
         if (lane == 0) {
-          if constexpr (H == Hooks::Fixed) mbar_wait(&sh.empty[stage], (round & 1) ^ 1);
+          if constexpr (releases && !named_empty(F)) mbar_wait(&sh.empty[stage], (round & 1) ^ 1);
           if constexpr (C == Copy::Bulk) {
             mbar_arrive_expect_tx(&sh.full[stage], SLICE_BYTES);
             bulk_copy(dst, src, SLICE_BYTES, &sh.full[stage]);
@@ -219,7 +290,13 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
           mbar_wait(&sh.full[stage], round & 1);
           if constexpr (H == Hooks::DecodeBroken) __syncthreads();  // the bug: only this warp gets here
         }
+        if constexpr (F == Handoff::NamedBoth) {
+          if (i >= PUBLISH_LAG) publish_landed<H>(sh.full, i - PUBLISH_LAG);
+        }
       }
+    }
+    if constexpr (F == Handoff::NamedBoth) {
+      for (int j = n > PUBLISH_LAG ? n - PUBLISH_LAG : 0; j < n; ++j) publish_landed<H>(sh.full, j);
     }
     return;
   }
@@ -227,12 +304,26 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
   // ---------------------------------------------------------------- consumers
   for (int i = warp - 1; i < n; i += PROBE_CONSUMERS) {
     const int stage = i % PROBE_STAGES, round = i / PROBE_STAGES;
-    if constexpr (H == Hooks::Fixed) mbar_wait(&sh.full[stage], round & 1);
+    if (H == Hooks::Fixed || (H == Hooks::SkipFirstFullWait && round > 0)) {
+      if constexpr (F == Handoff::NamedBoth) {
+        named_barrier_sync(FULL_BARRIER0 + stage);
+      } else {
+        mbar_wait(&sh.full[stage], round & 1);
+      }
+    }
     const int sum = warp_slice_sum(sh.slices[stage], lane);
     if (lane == 0) out[blockIdx.x * n + i] = sum;
-    if constexpr (H == Hooks::Fixed) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sh.empty[stage]);
+    if constexpr (releases) {
+      if constexpr (F == Handoff::LaneEmpty) {
+        mbar_arrive(&sh.empty[stage]);  // each lane's own reads come before its own arrival
+      } else if constexpr (named_empty(F)) {
+        // Only for a stage the producer refills: an arrival nobody syncs with would stay pending.
+        __syncwarp();  // converged for the .aligned barrier
+        if (i + PROBE_STAGES < n) named_barrier_arrive(EMPTY_BARRIER0 + stage);
+      } else {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sh.empty[stage]);
+      }
     }
   }
 }
@@ -254,6 +345,20 @@ PROBE_POOL_KERNEL(probe_cpasync, Copy::CpAsync, Hooks::Fixed)
 PROBE_POOL_KERNEL(probe_cpasync_broken, Copy::CpAsync, Hooks::NoConsumerWait)
 PROBE_POOL_KERNEL(probe_plain, Copy::Plain, Hooks::Fixed)
 PROBE_POOL_KERNEL(probe_plain_broken, Copy::Plain, Hooks::NoConsumerWait)
+
+// The bulk copy with another stage hand-off (see Handoff).
+#define PROBE_HANDOFF_KERNEL(name, hooks, handoff)                                                            \
+  extern "C" __global__ void __launch_bounds__(PROBE_THREADS)                                                \
+      name(const int* __restrict__ pool, const int* __restrict__ table, int n, int* __restrict__ out) {       \
+    ring<Copy::Bulk, hooks, handoff>(pool, table, n, out);                                                    \
+  }
+
+PROBE_HANDOFF_KERNEL(probe_bulk_lane_empty, Hooks::Fixed, Handoff::LaneEmpty)
+PROBE_HANDOFF_KERNEL(probe_bulk_lane_empty_broken, Hooks::SkipFirstFullWait, Handoff::LaneEmpty)
+PROBE_HANDOFF_KERNEL(probe_bulk_named_empty, Hooks::Fixed, Handoff::NamedEmpty)
+PROBE_HANDOFF_KERNEL(probe_bulk_named_empty_broken, Hooks::SkipFirstFullWait, Handoff::NamedEmpty)
+PROBE_HANDOFF_KERNEL(probe_bulk_named_both, Hooks::Fixed, Handoff::NamedBoth)
+PROBE_HANDOFF_KERNEL(probe_bulk_named_both_broken, Hooks::SkipFirstFullWait, Handoff::NamedBoth)
 
 // The tensor map in global memory (written by the host before the launch): a plain pointer
 // argument, so CuPy's RawKernel and graph capture need nothing new. The acquire fence orders the

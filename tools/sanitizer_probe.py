@@ -3,18 +3,24 @@ warp-specialized producer/consumer ring? A probe for issue #5, run on the H200.
 
     export PYTHONUNBUFFERED=1
     PYTHONPATH=$PWD python3 tools/sanitizer_probe.py --out "$OUT"     # ~60 s on an H200
+    PYTHONPATH=$PWD python3 tools/sanitizer_probe.py --out "$OUT" --only bulk,bulk_named_empty,bulk_named_empty_broken
     python3 tools/sanitizer_probe.py --dry-run                         # no GPU: sources, nvcc, map arguments
 
 tools/sanitizer_probe.cu holds one small kernel per mechanism, all with the decode kernel's
 hand-off shape (a producer warp filling a 4-stage ring of 4 KiB slices, `full`/`empty`
 mbarriers, consumer warps summing slices out of shared memory), and `_broken` twins whose
 consumers read without waiting on `full` (`_decode_broken`: with paged_attention_broken.cu's
-hooks exactly). Each variant runs in its own subprocess (this script again,
-with --variant NAME, bounded by a 30 s timeout): natively, under `compute-sanitizer --tool
-racecheck` and under `--tool synccheck`. Every run checks its sums against numpy. Variants with
-racecheck hazards are run once more with `--racecheck-report hazard` to say which accesses
-racecheck paired (RAW / WAR, by which threads), and two variants run with
+hooks exactly). A second group keeps the bulk copy and changes the hand-off: every consumer
+lane arriving on `empty` itself, or hardware named barriers (bar.arrive / bar.sync) for `empty`
+or for both directions; their broken twins skip the consumers' wait in each stage's first round.
+
+Each variant runs in its own subprocess (this script again, with --variant NAME, bounded by a
+30 s timeout): natively, under `compute-sanitizer --tool racecheck` and under `--tool
+synccheck`. Every run checks its sums against numpy. Variants with racecheck hazards are run
+once more with `--racecheck-report hazard` to say which accesses racecheck paired (RAW / WAR,
+by which threads, and which lanes of the reading warps), and a few variants run with
 `--racecheck-trace-sync yes` to show which synchronization operations racecheck saw at all.
+`--only` runs a subset (the verdict of a mechanism needs its fixed kernel and all its twins).
 
 A mechanism answers issue #5 if its fixed kernel is correct, racecheck-clean and synccheck-clean
 AND its broken twin is reported by racecheck. Logs, summary.json and summary.md go to
@@ -96,6 +102,12 @@ VARIANTS = {
     "cpasync_broken": Variant("probe_cpasync_broken", "cpasync, consumers neither wait nor release", False, "core", "pool", "cupy"),
     "plain": Variant("probe_plain", "32 lanes ld.global/st.shared + mbarrier.arrive (control)", True, "core", "pool", "cupy"),
     "plain_broken": Variant("probe_plain_broken", "plain, consumers neither wait nor release", False, "core", "pool", "cupy"),
+    "bulk_lane_empty": Variant("probe_bulk_lane_empty", "bulk; every consumer lane arrives on `empty` (32 arrivals)", True, "core", "pool", "cupy"),
+    "bulk_lane_empty_broken": Variant("probe_bulk_lane_empty_broken", "bulk_lane_empty, first round read unwaited", False, "core", "pool", "cupy"),
+    "bulk_named_empty": Variant("probe_bulk_named_empty", "bulk; `empty` = named barrier (bar.arrive / bar.sync)", True, "core", "pool", "cupy"),
+    "bulk_named_empty_broken": Variant("probe_bulk_named_empty_broken", "bulk_named_empty, first round read unwaited", False, "core", "pool", "cupy"),
+    "bulk_named_both": Variant("probe_bulk_named_both", "bulk; `full` and `empty` = named barriers", True, "core", "pool", "cupy"),
+    "bulk_named_both_broken": Variant("probe_bulk_named_both_broken", "bulk_named_both, first round read unwaited", False, "core", "pool", "cupy"),
 }
 # A mechanism answers issue #5 when its fixed kernel is clean and every broken twin is reported.
 PAIRS = {
@@ -105,8 +117,13 @@ PAIRS = {
     "cuda::memcpy_async": ("memcpy_async", ("memcpy_async_broken",)),
     "cp.async + noinc": ("cpasync", ("cpasync_broken",)),
     "plain copy (control)": ("plain", ("plain_broken",)),
+    # paged_attention_broken.cu replaces both directions' hooks, so its twin is bulk_decode_broken.
+    "bulk, lane arrivals": ("bulk_lane_empty", ("bulk_lane_empty_broken", "bulk_decode_broken")),
+    "bulk, named empty": ("bulk_named_empty", ("bulk_named_empty_broken", "bulk_decode_broken")),
+    "bulk, named both": ("bulk_named_both", ("bulk_named_both_broken", "bulk_decode_broken")),
 }
-TRACED = ("bulk", "bulk_split")
+TRACED = ("bulk", "bulk_split", "bulk_lane_empty", "bulk_named_empty")
+HAZARD_PRINT_LIMIT = 500  # the hazard-detail runs print this many: enough to see which lanes read
 
 
 def log(*parts) -> None:
@@ -279,16 +296,16 @@ def run_variant(name: str, launch_override: str | None) -> dict:
     return record
 
 
-def warm(_args) -> None:
-    """Compile both modules once (filling CuPy's kernel cache for the parallel runs) and print
-    the versions the results depend on."""
+def warm(names: list[str]) -> None:
+    """Compile the modules these variants need once (filling CuPy's kernel cache for the
+    parallel runs) and print the versions the results depend on."""
     import cupy as cp
 
     began = time.time()
     info = dict(cupy=cp.__version__, nvrtc=".".join(map(str, cp.cuda.nvrtc.getVersion())),
                 driver=cp.cuda.runtime.driverGetVersion(), runtime=cp.cuda.runtime.runtimeGetVersion(),
                 gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
-    for module in ("core", "libcu"):
+    for module in sorted({VARIANTS[n].module for n in names}):
         try:
             build_module(cp, module).get_function(next(v.kernel for v in VARIANTS.values() if v.module == module))
             info[f"compile_{module}"] = "ok"
@@ -346,9 +363,13 @@ def parse_error_summary(text: str) -> int | None:
 
 def parse_hazard_kinds(text: str) -> dict:
     """Counts of RAW/WAR/WAW hazards and, per kind, the (first access, second access) thread
-    pairs seen, from `--racecheck-report hazard` output."""
+    pairs seen and the lanes (x % 32) of the reading threads, from `--racecheck-report hazard`
+    output. The lanes tell a release that racecheck does not follow at all (every lane of the
+    consumer warp, lane 0 too) from one it follows only from the arriving lane (lanes 1-31:
+    the __syncwarp() before lane 0's arrival is not an edge for it)."""
     kinds = collections.Counter()
     pairs = collections.defaultdict(set)
+    reader_lanes = collections.defaultdict(set)
     lines = text.splitlines()
     for i, line in enumerate(lines):
         m = HAZARD.search(line)
@@ -359,7 +380,20 @@ def parse_hazard_kinds(text: str) -> dict:
         accesses = [ACCESS.search(x) for x in lines[i + 1 : i + 3]]
         if all(accesses):
             pairs[kind].add(" -> ".join(f"{a.group(1)} t({a.group(2)})" for a in accesses))
-    return dict(kinds=dict(kinds), pairs={k: sorted(v)[:4] for k, v in pairs.items()})
+            reader_lanes[kind].update(int(a.group(2).split(",")[0]) % 32 for a in accesses if a.group(1) == "Read")
+    return dict(kinds=dict(kinds), pairs={k: sorted(v)[:4] for k, v in pairs.items()},
+                reader_lanes={k: lane_ranges(v) for k, v in reader_lanes.items()})
+
+
+def lane_ranges(lanes) -> str:
+    """{0, 1, 2, 5} -> '0-2,5'."""
+    runs = []
+    for lane in sorted(lanes):
+        if runs and lane == runs[-1][1] + 1:
+            runs[-1][1] = lane
+        else:
+            runs.append([lane, lane])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def parse_trace(text: str) -> dict:
@@ -383,18 +417,20 @@ class Job:
     flags: tuple = ()
     launch: str | None = None
     mode: str = "variant"  # variant | warm | bindings
+    print_limit: int = 20
+    warm_variants: tuple = ()  # mode "warm": the variants whose modules to compile
 
 
 def job_command(job: Job, sanitizer: str | None) -> list[str]:
     me = [sys.executable, str(Path(__file__).resolve())]
     if job.mode == "warm":
-        return me + ["--warm"]
+        return me + ["--warm", ",".join(job.warm_variants)]
     if job.mode == "bindings":
         return me + ["--check-bindings-encoder"]
     command = me + ["--variant", job.variant] + (["--launch", job.launch] if job.launch else [])
     if job.tool == "native":
         return command
-    return [sanitizer, "--tool", job.tool, "--print-limit", "20", *job.flags] + command
+    return [sanitizer, "--tool", job.tool, "--print-limit", str(job.print_limit), *job.flags] + command
 
 
 def run_job(job: Job, sanitizer: str | None, folder: Path) -> dict:
@@ -468,6 +504,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             kinds = detail["hazard_kinds"]
             notes.append(", ".join(f"{k} x{v}" for k, v in kinds["kinds"].items()))
             notes += [p for ps in kinds["pairs"].values() for p in ps[:2]]
+            notes += [f"{k} reading lanes {v}" for k, v in kinds["reader_lanes"].items()]
         if trace and trace["trace"] is not None:
             notes.append("traced: " + (", ".join(f"{k} x{v}" for k, v in trace["trace"].items()) or "nothing"))
         lines.append(dict(variant=name, mechanism=variant.mechanism, waits=variant.waits,
@@ -481,7 +518,10 @@ def verdicts(lines: list[dict]) -> list[str]:
     by = {line["variant"]: line for line in lines}
     out = []
     for label, (fixed, brokens) in PAIRS.items():
-        if fixed not in by or any(b not in by for b in brokens):
+        missing = [n for n in (fixed, *brokens) if n not in by]
+        if fixed in by and missing:
+            out.append(f"{label:<22} not judged: the run lacks {', '.join(missing)}")
+        if missing:
             continue
         f = by[fixed]
         fixed_clean = f["native"] == "yes" and f["racecheck_hazards"] == 0 and f["synccheck"] == "0"
@@ -516,12 +556,12 @@ def probe(args) -> int:
     if not Path(sanitizer).exists():
         log(f"compute-sanitizer not found (looked on PATH and at {sanitizer})")
         return 2
-    names = [n for n in VARIANTS if not args.variants or n in args.variants.split(",")]
+    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     began = time.time()
-    header = dict(sanitizer=sanitizer_version(sanitizer), python=sys.version.split()[0])
+    header = dict(sanitizer=sanitizer_version(sanitizer), python=sys.version.split()[0], variants=len(names))
 
-    log("warm-up: compile both modules once")
-    warm_row = run_job(Job("warm", "", "native", mode="warm"), sanitizer, folder)
+    log("warm-up: compile the modules once")
+    warm_row = run_job(Job("warm", "", "native", mode="warm", warm_variants=tuple(names)), sanitizer, folder)
     header.update(warm_row["result"] or {"warm": f"failed (exit {warm_row['status']}), see warm.log"})
     log(f"  {header}")
 
@@ -529,18 +569,20 @@ def probe(args) -> int:
     jobs += [Job(f"{n}.racecheck-trace", n, "racecheck", ("--racecheck-trace-sync", "yes")) for n in TRACED if n in names]
     if "tma3d_param" in names:
         jobs.append(Job("tma3d_param.cupy-void", "tma3d_param", "native", launch="cupy-void"))
-    jobs.append(Job("bindings-encoder", "", "native", mode="bindings"))
+    if any(VARIANTS[n].source != "pool" for n in names):
+        jobs.append(Job("bindings-encoder", "", "native", mode="bindings"))
     log(f"{len(jobs)} runs, {args.jobs} at a time, {TIMEOUT_S} s limit each")
     rows = run_all(jobs, sanitizer, folder, args.jobs)
 
     hazardous = [r["variant"] for r in rows if r["job"].endswith(".racecheck") and (r["racecheck"] or {}).get("hazards")]
     if hazardous:
         log(f"hazard details for {', '.join(hazardous)}")
-        rows += run_all([Job(f"{n}.racecheck-hazard", n, "racecheck", ("--racecheck-report", "hazard"))
-                         for n in hazardous], sanitizer, folder, args.jobs)
+        rows += run_all([Job(f"{n}.racecheck-hazard", n, "racecheck", ("--racecheck-report", "hazard"),
+                             print_limit=HAZARD_PRINT_LIMIT) for n in hazardous], sanitizer, folder, args.jobs)
 
-    bindings = next(r for r in rows if r["job"] == "bindings-encoder")
-    header["cuda.bindings encoder"] = bindings["result"] or f"no answer (exit {bindings['status']}; {bindings['log']})"
+    bindings = next((r for r in rows if r["job"] == "bindings-encoder"), None)
+    if bindings is not None:
+        header["cuda.bindings encoder"] = bindings["result"] or f"no answer (exit {bindings['status']}; {bindings['log']})"
     cupy_void = next((r for r in rows if r["job"] == "tma3d_param.cupy-void"), None)
     if cupy_void is not None:
         header["map as CuPy numpy.void argument"] = (
@@ -573,6 +615,9 @@ def dry_run(args) -> int:
         if not re.search(rf"\b{variant.kernel}\b", source):
             raise SystemExit(f"variant {name}: kernel {variant.kernel} not found in {SOURCE.name}")
     log(f"{len(VARIANTS)} variants, kernels present in {SOURCE.name}")
+    for label, (fixed, brokens) in PAIRS.items():
+        if unknown := [n for n in (fixed, *brokens) if n not in VARIANTS or VARIANTS[n].waits != (n == fixed)]:
+            raise SystemExit(f"pair {label!r}: {', '.join(unknown)} unknown, or fixed/broken the wrong way round")
     nvcc = shutil.which("nvcc")
     if nvcc:
         with tempfile.TemporaryDirectory() as tmp:
@@ -625,11 +670,15 @@ def dry_run(args) -> int:
     assert parse_error_summary(canned) == 0
     assert parse_hazard_kinds(canned) == dict(
         kinds={"RAW": 1, "WAR (CUDA barrier operation)": 1},
-        pairs={"RAW": ["Write t(0,0,0) -> Read t(37,0,0)"], "WAR (CUDA barrier operation)": ["Read t(40,0,0) -> Write t(0,0,0)"]})
+        pairs={"RAW": ["Write t(0,0,0) -> Read t(37,0,0)"], "WAR (CUDA barrier operation)": ["Read t(40,0,0) -> Write t(0,0,0)"]},
+        reader_lanes={"RAW": "5", "WAR (CUDA barrier operation)": "8"})
+    assert lane_ranges({3, 1, 2, 5, 7, 8, 31}) == "1-3,5,7-8,31" and lane_ranges(range(32)) == "0-31"
     assert parse_trace(canned) == {"Barrier": 1}
     assert parse_result(canned)["correct"] is True
     log("parsers ok; commands the probe would run, e.g.:")
-    for job in (Job("bulk.native", "bulk", "native"), Job("bulk.racecheck", "bulk", "racecheck"),
+    for job in (Job("bulk.native", "bulk", "native"), Job("bulk_named_empty.racecheck", "bulk_named_empty", "racecheck"),
+                Job("bulk.racecheck-hazard", "bulk", "racecheck", ("--racecheck-report", "hazard"),
+                    print_limit=HAZARD_PRINT_LIMIT),
                 Job("tma3d_param.cupy-void", "tma3d_param", "native", launch="cupy-void")):
         log("  " + " ".join(job_command(job, "compute-sanitizer")))
     return 0
@@ -639,20 +688,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"), help="logs go to OUT/sanitizer_probe/")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 4), help="runs at a time")
-    parser.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--only", "--variants", default="", help="comma-separated subset of: " + ", ".join(VARIANTS))
     parser.add_argument("--dry-run", action="store_true", help="no GPU: compile, tensor-map arguments, parsers")
     parser.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--launch", choices=("cupy", "cupy-void", "driver"), help=argparse.SUPPRESS)
-    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--warm", metavar="VARIANTS", help=argparse.SUPPRESS)
     parser.add_argument("--check-bindings-encoder", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.variants and (unknown := set(args.variants.split(",")) - set(VARIANTS)):
+    if args.only and (unknown := set(args.only.split(",")) - set(VARIANTS)):
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     if args.variant:
         record = run_variant(args.variant, args.launch)
         return 0 if record["correct"] or not VARIANTS[args.variant].waits else 1
     if args.warm:
-        warm(args)
+        warm(args.warm.split(","))
         return 0
     if args.check_bindings_encoder:
         check_bindings_encoder(args)
