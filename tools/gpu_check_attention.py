@@ -1,6 +1,7 @@
 """Check and time the paged attention kernels on a GPU, and write results/attention-h200.md.
 
     PYTHONPATH=. python3 tools/gpu_check_attention.py          # everything (~3 minutes on an H200)
+    PYTHONPATH=. python3 tools/gpu_check_attention.py --quick  # a kernel change's check (~2 minutes)
 
 Sections, each independent (a failure is recorded and the next one runs):
 
@@ -16,6 +17,12 @@ Sections, each independent (a failure is recorded and the next one runs):
    and 32768 positions against the time to read that layer's K/V at copy bandwidth, and
    prefill attention of 512 tokens.
 
+--quick runs what a change to the decode hand-off must pass and nothing else: section 1 for decode
+only, on the 7B and small shapes at lengths with tail pages and stage reuse; section 3 with 20
+runs per length; section 4 started first, running alongside (its 110 s limit bounds the run).
+No timing. It writes attention-quick-h200.md/.json instead, so a full report is never replaced
+by a partial one.
+
 Writes attention-h200.md, attention-h200.json and the sanitizer logs to $OUT (or results/).
 Internal modes, run as subprocesses: --broken-stress, --sanitize {fixed,broken}.
 """
@@ -27,6 +34,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +77,11 @@ SHAPES = {
 }
 LENGTHS = (1, 15, 16, 17, 640, 4096, 32768)
 SHORT_LENGTHS = (1, 17, 640, 4096)
+# --quick: 72 and 325 are the sanitizer's lengths (a tail page; 21 pages wrap the 8 stages).
+QUICK_SHAPES = ("7B 28/4 D128", "small 4/2 D64")
+QUICK_LENGTHS = (1, 15, 17, 72, 325, 640, 4096)
+QUICK_STRESS_RUNS = 20
+QUICK_SANITIZER_S = 110
 DECODE_TOL = 2e-3  # ||out - ref|| / ||ref||; fp16 output rounding alone is ~3e-4
 PREFILL_TOL = 3e-3  # probabilities enter the tensor cores as fp16
 
@@ -116,27 +129,31 @@ def prefill_case(cp, attention, config, start_pos, num_tokens, rng, check_rows=6
     return relative_error(out[rows], ref.reshape(len(rows), -1))
 
 
-def check_correctness(cp, results):
+def check_correctness(cp, results, quick: bool = False):
+    """Every shape, decode and prefill; quick: decode only, QUICK_SHAPES at QUICK_LENGTHS."""
     rng = np.random.default_rng(2026)
     rows = []
     for name, config in SHAPES.items():
-        lengths = LENGTHS if name.startswith(("7B", "small")) else SHORT_LENGTHS
+        if quick and name not in QUICK_SHAPES:
+            continue
+        lengths = QUICK_LENGTHS if quick else LENGTHS if name.startswith(("7B", "small")) else SHORT_LENGTHS
         max_len = max(lengths)
-        variants = {"grid for 32K": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len),
+        full_grid = f"grid for {max_len // 1024}K"
+        variants = {full_grid: PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len),
                     "1 split": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len, splits=1),
                     "3 splits": PagedAttention(config, num_pages=2 * max_len // PAGE_SIZE, max_seq_len=max_len, splits=3)}
-        main = variants["grid for 32K"]
+        main = variants[full_grid]
         for n in lengths:
             for vname, attention in variants.items():
-                if vname != "grid for 32K" and n > 4096:
+                if vname != full_grid and n > 4096:
                     continue
                 err = decode_case(cp, attention, config, n, rng)
                 rows.append(dict(shape=name, kernel="decode", case=f"len {n}, {vname} ({attention.splits})", error=err,
                                  ok=err <= DECODE_TOL))
-            if n <= 4096:
+            if n <= 4096 and not quick:
                 err = prefill_case(cp, main, config, 0, n, rng)
                 rows.append(dict(shape=name, kernel="prefill", case=f"0 + {n} tokens", error=err, ok=err <= PREFILL_TOL))
-        for start, count in ((600, 40), (33, 1), (max_len - 512, 512)):
+        for start, count in () if quick else ((600, 40), (33, 1), (max_len - 512, 512)):
             err = prefill_case(cp, main, config, start, count, rng)
             rows.append(dict(shape=name, kernel="prefill", case=f"{start} + {count} tokens", error=err,
                              ok=err <= PREFILL_TOL))
@@ -240,9 +257,11 @@ def run_sanitize(cp, which: str) -> None:
     cp.cuda.Device().synchronize()
 
 
-def sanitizer_runs(results, folder: Path):
-    """Each tool on each kernel, all at once in subprocesses (each has its own time limit).
-    Their logs end up concatenated in `folder`/sanitizer-logs.txt."""
+SANITIZER_PROCESSES: list[subprocess.Popen] = []  # ended by hung() if the run stops early
+
+
+def start_sanitizers() -> list[tuple]:
+    """Each tool on each kernel, all at once in subprocesses; returns what collect_sanitizers needs."""
     scratch = Path(tempfile.mkdtemp())
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     jobs = []
@@ -251,17 +270,34 @@ def sanitizer_runs(results, folder: Path):
             logfile = scratch / f"sanitizer-{tool}-{which}.txt"
             cmd = [sanitizer, "--tool", tool, "--print-limit", "40", sys.executable, __file__,
                    "--sanitize", which]
-            jobs.append((which, tool, logfile, subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
-                                                                 cwd=REPO)))
+            # A session of its own, so ending it ends the sanitizer and the process it started.
+            proc = subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True)
+            SANITIZER_PROCESSES.append(proc)
+            jobs.append((which, tool, logfile, proc))
+    return jobs
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def sanitizer_runs(results, folder: Path):
+    """Start the sanitizer runs and collect them, 120 s at most."""
+    collect_sanitizers(start_sanitizers(), results, folder, deadline=time.time() + 120)
+
+
+def collect_sanitizers(jobs: list[tuple], results, folder: Path, deadline: float):
+    """Wait for the runs until `deadline` (then end them); their logs end up concatenated in
+    `folder`/sanitizer-logs.txt."""
     rows = []
-    deadline = time.time() + 120
     for which, tool, logfile, proc in jobs:
         try:
             proc.wait(timeout=max(1, deadline - time.time()))
             status = proc.returncode
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            end_session(proc)
             status = "timeout"
         text = logfile.read_text(errors="replace")
         summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
@@ -371,7 +407,7 @@ def time_prefill(cp, results):
 # ------------------------------------------------------------------------ report
 
 
-def write_report(results, folder: Path, command: str):
+def write_report(results, folder: Path, stem: str, command: str):
     bw = results.get("bandwidth", {})
     lines = [
         "# Paged attention on the H200",
@@ -444,7 +480,7 @@ def write_report(results, folder: Path, command: str):
         lines += ["## Sections that failed", "", "```text", *results["failures"], "```", ""]
     lines += ["## Machine-readable summary (read by chapter 5)", "", "```json",
               json.dumps(machine_summary([results]), indent=1, default=str), "```", ""]
-    (folder / "attention-h200.md").write_text("\n".join(lines))
+    (folder / f"{stem}.md").write_text("\n".join(lines))
 
 
 def machine_summary(runs: list[dict]) -> dict:
@@ -481,6 +517,8 @@ def main():
     parser.add_argument("--broken-stress", type=int, metavar="RUNS")
     parser.add_argument("--sanitize", choices=("fixed", "broken"))
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip")
+    parser.add_argument("--quick", action="store_true",
+                        help="decode correctness, a short broken-kernel stress and the sanitizers alongside (~2 min)")
     parser.add_argument("--scratch", default=None, help="where subprocesses leave their files")
     args = parser.parse_args()
     import cupy as cp
@@ -502,16 +540,26 @@ def main():
         failures=[],
     )
     # (name, work, seconds after which a hung kernel is assumed and the run ends with what it has)
-    sections = [
-        ("correctness", lambda: check_correctness(cp, results), 120),
-        ("graph", lambda: check_graph(cp, results), 30),
-        ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp)), 30),
-        ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"]), 60),
-        ("prefill_timing", lambda: time_prefill(cp, results), 30),
-        ("broken_stress", lambda: stress_subprocess(results), 130),
-        ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
-    ]
-    finish = lambda: finish_run(results, folder)  # noqa: E731
+    if args.quick:
+        pending, deadline = start_sanitizers(), time.time() + QUICK_SANITIZER_S
+        sections = [
+            ("correctness", lambda: check_correctness(cp, results, quick=True), 60),
+            ("broken_stress", lambda: stress_subprocess(results, QUICK_STRESS_RUNS, timeout=50), 60),
+            ("sanitizer", lambda: collect_sanitizers(pending, results, folder, deadline), QUICK_SANITIZER_S + 10),
+        ]
+        stem, command = "attention-quick-h200", "PYTHONPATH=. python3 tools/gpu_check_attention.py --quick"
+    else:
+        sections = [
+            ("correctness", lambda: check_correctness(cp, results), 120),
+            ("graph", lambda: check_graph(cp, results), 30),
+            ("bandwidth", lambda: results.__setitem__("bandwidth", copy_bandwidth(cp)), 30),
+            ("decode_timing", lambda: time_decode(cp, results, results["bandwidth"]), 60),
+            ("prefill_timing", lambda: time_prefill(cp, results), 30),
+            ("broken_stress", lambda: stress_subprocess(results), 130),
+            ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
+        ]
+        stem, command = "attention-h200", "PYTHONPATH=. python3 tools/gpu_check_attention.py"
+    finish = lambda: finish_run(results, folder, stem, command)  # noqa: E731
     for name, section, limit in sections:
         if name in args.skip:
             continue
@@ -533,13 +581,16 @@ def main():
 
 def hung(results, name, limit, finish):
     results["failures"].append(f"{name}: still running after {limit} s (a hung kernel?); run ended here")
+    for proc in SANITIZER_PROCESSES:
+        if proc.poll() is None:
+            end_session(proc)
     finish()
     os._exit(3)
 
 
-def finish_run(results, folder: Path):
-    (folder / "attention-h200.json").write_text(json.dumps(results, indent=1, default=str))
-    write_report(results, folder, "PYTHONPATH=. python3 tools/gpu_check_attention.py")
+def finish_run(results, folder: Path, stem: str, command: str):
+    (folder / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+    write_report(results, folder, stem, command)
     print_summary(results)
 
 
@@ -571,17 +622,17 @@ def print_summary(results):
         print("FAILED SECTION:", f.splitlines()[0], f.splitlines()[-1])
 
 
-def stress_subprocess(results, runs: int = 200):
+def stress_subprocess(results, runs: int = 200, timeout: int = 120):
     """The broken kernel runs in its own process: if its barrier hangs the GPU work, only that
     process is killed."""
     scratch = tempfile.mkdtemp()
     cmd = [sys.executable, __file__, "--broken-stress", str(runs), "--scratch", scratch]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, timeout=120, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, capture_output=True, text=True)
         print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
         results["broken_stress"] = json.loads(Path(scratch, "broken-stress.json").read_text())
     except subprocess.TimeoutExpired:
-        results["failures"].append("broken_stress: timed out after 120 s (the broken kernel hung?)")
+        results["failures"].append(f"broken_stress: timed out after {timeout} s (the broken kernel hung?)")
 
 
 if __name__ == "__main__":
