@@ -29,7 +29,8 @@ static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with
 #define STATE_TOKEN 0       // token id fed to the step; the greedy argmax writes the next one
 #define STATE_POSITION 1    // position of that token in its sequence
 #define STATE_SEQ_LEN 2     // positions attention reads: position + 1
-#define STATE_PAGE_TABLE 3  // the sequence's page table starts here
+#define STATE_STATUS 3      // the greedy argmax writes 1 if the logits held NaN or +inf (or all -inf), else 0
+#define STATE_PAGE_TABLE 4  // the sequence's page table starts here
 
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
@@ -141,6 +142,7 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
 }
 
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)
+#define POSITIVE_INFINITY __int_as_float(0x7f800000)  // spelled out: NVRTC has no math.h for INFINITY
 
 // Greedy choice: the larger logit wins, the smaller token id breaks a tie (numpy.argmax
 // returns the first maximum). NaN never wins; a search starts from (-inf, token 0), so logits

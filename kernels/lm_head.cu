@@ -12,6 +12,10 @@
 // Greedy decoding needs only the index of the largest logit. Each warp tracks its best row
 // while it goes; each block leaves one (value, index) candidate; argmax_select_next reduces
 // the candidates and writes the winner where the next step's embedding reads its token.
+// Non-finite logits must not pass silently (numpy's greedy choice raises on them, see
+// nanoqwen/sampling.py): a block that computed a NaN or +inf logit leaves NaN as its candidate
+// value, which never wins a comparison, and argmax_select_next turns any such NaN, or a best
+// logit of -inf, into state[STATE_STATUS] = 1, which the host checks with the token.
 #include "common.cuh"
 
 constexpr int LM_PIECES = NQ_HIDDEN / 8;  // 16-byte pieces (8 halves) per row
@@ -65,6 +69,7 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
 
   float best_value = NEGATIVE_INFINITY;
   int best_index = 0;
+  bool saw_non_finite = false;
   const int warps_in_grid = gridDim.x * LM_WARPS;
   for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
     if (row != first_row) load_lm_row(weight, row, lane, w);
@@ -74,6 +79,7 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
       if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_shared[lane + p * WARP_SIZE], sum);
     sum = warp_sum(sum);  // every lane now holds the row's logit
     if (lane == 0) logits[row] = sum;
+    saw_non_finite |= !(sum < POSITIVE_INFINITY);  // NaN or +inf
     if (better_candidate(sum, row, best_value, best_index)) {
       best_value = sum;
       best_index = row;
@@ -84,13 +90,13 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
     warp_values[warp] = best_value;
     warp_indices[warp] = best_index;
   }
-  __syncthreads();
+  const bool block_saw_non_finite = __syncthreads_or(saw_non_finite);
   if (warp == 0) {
     float value = lane < LM_WARPS ? warp_values[lane] : NEGATIVE_INFINITY;
     int index = lane < LM_WARPS ? warp_indices[lane] : 0;
     warp_argmax(value, index);
     if (lane == 0) {
-      candidate_values[blockIdx.x] = value;
+      candidate_values[blockIdx.x] = block_saw_non_finite ? __int_as_float(0x7fc00000) : value;  // NaN flags it
       candidate_indices[blockIdx.x] = index;
     }
   }
@@ -113,7 +119,9 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
   wait_for_previous_kernel();  // the candidates are lm_head_logits' output
   float value = NEGATIVE_INFINITY;
   int index = 0;
+  bool flagged = false;  // some block saw a NaN or +inf logit
   for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {
+    flagged |= candidate_values[c] != candidate_values[c];  // NaN
     if (better_candidate(candidate_values[c], candidate_indices[c], value, index)) {
       value = candidate_values[c];
       index = candidate_indices[c];
@@ -124,7 +132,7 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
     warp_values[warp] = value;
     warp_indices[warp] = index;
   }
-  __syncthreads();
+  flagged = __syncthreads_or(flagged);
   if (warp == 0) {
     value = warp_values[lane];
     index = warp_indices[lane];
@@ -133,6 +141,7 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
       state[STATE_TOKEN] = index;
       state[STATE_POSITION] += 1;
       state[STATE_SEQ_LEN] += 1;
+      state[STATE_STATUS] = flagged || value == NEGATIVE_INFINITY;
     }
   }
 }

@@ -43,7 +43,7 @@ from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
 
 # Offsets into `state` (kernels/common.cuh).
-STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_PAGE_TABLE = 0, 1, 2, 3
+STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
 TILE_ROWS = 16  # rows per warp in the INT4 GEMV (gemv_int4.cu)
 GEMV_THREADS = 32  # one warp per block
 GATE_UP_WARPS = 4  # warps per block of gemv_int4_gate_up_silu, one output row each (gemv_int4.cu)
@@ -390,6 +390,7 @@ class CudaBackend:
         """The copy itself, for inputs already checked."""
         host = np.empty(STATE_PAGE_TABLE + len(pages), dtype=np.int32)
         host[STATE_TOKEN], host[STATE_POSITION], host[STATE_SEQ_LEN] = token, position, position + 1
+        host[STATE_STATUS] = 0
         host[STATE_PAGE_TABLE:] = pages
         self.state[: len(host)].set(host, stream=self.stream)
         self._device_holds = (token, int(position), pages)
@@ -448,9 +449,13 @@ class CudaBackend:
         return self.logits.get(stream=self.stream)
 
     def decode_greedy(self, token_id: int, position: int, page_table) -> int:
-        """The argmax of `decode`, computed on the device: only 4 bytes come back."""
+        """The argmax of `decode`, computed on the device: 16 bytes come back (the token and the
+        status word). Non-finite logits raise FloatingPointError, as numpy's greedy choice does."""
         self._step(token_id, position, page_table)
-        token = int(self.token.get(stream=self.stream)[0])
+        head = self.state[: STATE_STATUS + 1].get(stream=self.stream)
+        if head[STATE_STATUS]:
+            raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, or only -inf)")
+        token = int(head[STATE_TOKEN])
         self._device_holds = (token, position + 1, self._pending)
         return token
 

@@ -100,3 +100,27 @@ def test_int8_activations_path_runs_in_the_graph(engines):
         assert relative < 0.1, relative
     finally:
         int8.close()
+
+
+def test_non_finite_logits_raise_in_graph_greedy_decode(engines):
+    """The numpy backend raises on NaN logits; the graph's on-device argmax must not pick a token
+    silently either (kernels/lm_head.cu's status word). The lm_head row is poisoned after the
+    prefill (whose host-side sampling would raise first) and restored afterwards."""
+    cuda, _ = engines
+    backend = cuda.backend
+    ids = np.array(cuda.tokenizer.encode(PROMPTS[0]), dtype=np.int32)
+    pages = cuda.allocator.allocate(2)
+    lm_head = backend.lm_head
+    row = lm_head.shape[0] - 1  # a token the prompt does not use
+    saved = lm_head[row].copy()
+    try:
+        token = int(np.argmax(backend.prefill(ids, 0, pages)))
+        token = backend.decode_greedy(token, len(ids), pages)  # clean: fine
+        lm_head[row, 3] = np.float16(np.nan)
+        with pytest.raises(FloatingPointError, match="not finite"):
+            backend.decode_greedy(token, len(ids) + 1, pages)
+        lm_head[row] = saved
+        backend.decode_greedy(token, len(ids) + 1, pages)  # status cleared by the next upload
+    finally:
+        lm_head[row] = saved
+        cuda.allocator.free(pages)

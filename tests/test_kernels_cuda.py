@@ -293,7 +293,7 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     logits = poisoned(v, cp.float32)
     values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
     lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
-    state = cp.asarray([123, 40, 41, 5, 6, 7], dtype=cp.int32)
+    state = cp.asarray([123, 40, 41, 9, 5, 6, 7], dtype=cp.int32)  # token, position, seq_len, status, pages
     kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state))
 
     result = logits.get()
@@ -303,8 +303,38 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     expected, bound = w @ x.astype(np.float64), np.abs(w) @ np.abs(x.astype(np.float64))
     assert (np.abs(result[rows] - expected) <= DOT_RTOL * bound + 1e-6).all()
     assert result[twin] == result[winner]
-    np.testing.assert_array_equal(state.get(), [twin, 41, 42, 5, 6, 7])
+    np.testing.assert_array_equal(state.get(), [twin, 41, 42, 0, 5, 6, 7])
     assert int(np.argmax(result)) == twin
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf everywhere"])
+def test_greedy_argmax_flags_non_finite_logits(poison):
+    """numpy's greedy choice raises on NaN, +inf or all -inf logits (nanoqwen/sampling.py); the
+    device's writes status 1 instead, for the host to raise. One poisoned row among many."""
+    c = CONFIGS["odd"]
+    v, h = c.vocab_size, c.hidden_size
+    rng = np.random.default_rng(len(poison))
+    weight = (0.02 * cp.random.standard_normal((v, h), dtype=cp.float32)).astype(cp.float16)
+    x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
+    bad_row = int(rng.integers(0, v))
+    if poison == "nan":
+        weight[bad_row, 5] = np.float16(np.nan)
+    elif poison == "inf":  # finite fp16 inputs cannot overflow an fp32 sum: an infinite weight row
+        weight[bad_row] = np.float16(np.inf)
+        x = (np.abs(x) + np.float16(0.5)).astype(np.float16)  # all positive: +inf, not inf - inf
+    else:
+        weight[:] = np.float16(0)
+        x[:] = np.float16(0)
+    lm_head = kernel("odd", "lm_head_logits")
+    blocks = persistent_blocks(lm_head, LM_HEAD_THREADS, num_sms())
+    logits = poisoned(v, cp.float32)
+    values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
+    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
+    if poison == "-inf everywhere":  # no weights give -inf logits: feed the reduction directly
+        values[:] = -np.inf
+    state = cp.asarray([1, 2, 3, 0, 4], dtype=cp.int32)
+    kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state))
+    assert int(state[3].get()) == 1, f"{poison}: status not raised"
 
 
 # ---------------------------------------------------------------------- the backend
