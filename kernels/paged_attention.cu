@@ -60,10 +60,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, u
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");  // no phase token: waits go by parity
-}
-
 // Spin until the phase with this parity has completed. A barrier only remembers the parity of
 // its current phase, so a waiter must never fall two phases behind: the pipeline guarantees
 // it by giving each stage to one consumer warp (DECODE_STAGES % DECODE_CONSUMER_WARPS == 0).
@@ -82,11 +78,18 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
                ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
 }
 
-// A barrier for the consumer warps only (barrier 1; __syncthreads is barrier 0), so the
-// producer, which may have exited, is not waited for.
+// Hardware named barrier `id` (0-15; 0 is __syncthreads) for THREADS threads, a multiple of 32.
+// bar.sync counts the calling warp's arrival and waits until THREADS threads have arrived;
+// bar.arrive counts it and goes on. The barrier then starts over. Both are .aligned: the whole
+// warp executes them, converged. An id in a register makes ptxas count all 16 as used.
 template <int THREADS>
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+
+template <int THREADS>
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
 
 // Two floats to an fp16 pair, round to nearest even; `lo` is the first element in memory.
@@ -152,12 +155,18 @@ constexpr int DECODE_DPV = PA_D / 32;
 constexpr int DECODE_GQA_PAD = (PA_GQA + 3) / 4 * 4;  // rows of the probability buffer: float4 reads
 static_assert(DECODE_STAGES % DECODE_CONSUMER_WARPS == 0,
               "stage s is always read by consumer warp s % DECODE_CONSUMER_WARPS, so no warp waits "
-              "on a phase two ahead of the one it last saw (mbarrier parity would alias)");
+              "on a phase two ahead of the one it last saw (mbarrier parity would alias), and the "
+              "stage's named barrier is met by the producer and that one warp");
+// Named barriers: 0 is __syncthreads, 1 gathers the consumer warps after their pages, and stage
+// s is released on DECODE_EMPTY_BARRIER0 + s by its consumer warp to the producer warp.
+constexpr int DECODE_CONSUMERS_BARRIER = 1;
+constexpr int DECODE_EMPTY_BARRIER0 = 2;
+constexpr int DECODE_STAGE_BARRIER_THREADS = 2 * WARP_SIZE;
+static_assert(DECODE_EMPTY_BARRIER0 + DECODE_STAGES <= 16, "a block has 16 named barriers: too many stages");
 
 struct DecodeShared {
   unsigned short kv[DECODE_STAGES][2][PA_SLICE];  // bulk-copy destinations (offset 0: 128-byte aligned)
   unsigned long long full[DECODE_STAGES];         // "stage holds its page": expect_tx + copy bytes
-  unsigned long long empty[DECODE_STAGES];        // "stage was read": one arrival by the consumer
   float probabilities[DECODE_CONSUMER_WARPS][PA_PAGE][DECODE_GQA_PAD];
   float warp_max[DECODE_CONSUMER_WARPS][PA_GQA];
   float warp_sum[DECODE_CONSUMER_WARPS][PA_GQA];
@@ -170,26 +179,42 @@ __device__ int paged_attention_decode_smem_bytes = sizeof(DecodeShared);
 __device__ int paged_attention_decode_threads = DECODE_THREADS;
 
 // ---------------------------------------------------------------- the stage hand-off
-// Page i of a block goes to stage i % DECODE_STAGES in round i / DECODE_STAGES. Two mbarriers
-// per stage: `full` completes when the producer has armed it and the copy's bytes have landed;
-// `empty` completes when the consumer warp that read the stage says so. Parity (round & 1)
-// names the phase to wait for; on a fresh barrier a wait for parity 1 passes at once, which is
-// what lets the producer fill every stage once before any consumer has released one.
+// Page i of a block goes to stage i % DECODE_STAGES in round i / DECODE_STAGES. "Stage s holds
+// its page" is the mbarrier full[s]: it completes when the producer has armed it and the copy's
+// bytes have landed, and parity (round & 1) names the phase to wait for. "Stage s was read" is
+// the named barrier DECODE_EMPTY_BARRIER0 + s, met by two warps: the consumer warp that read the
+// stage arrives (bar.arrive, no wait) and the producer warp syncs (bar.sync) before refilling it.
+// A named barrier has no phases to name, it completes at DECODE_STAGE_BARRIER_THREADS arrivals,
+// so every arrival is matched by exactly one sync: the producer skips round 0 (a fresh stage is
+// free) and a consumer releases only a stage that will be refilled.
+//
+// Why not a second mbarrier, as full[s] was: it works on the hardware, but compute-sanitizer's
+// racecheck (2025.3) does not see that ordering. It reported races between this kernel's bulk
+// copies and its consumers' reads, as on the broken kernel, and in tools/sanitizer_probe.py a WAR
+// on every ring that released its stages that way (a consumer lane's read, then the refill's
+// write), so it could not tell the fixed kernel from the broken one. bar.arrive/bar.sync are the
+// hardware barriers __syncthreads is made of, which racecheck models; the probe's
+// bulk_named_empty is this hand-off in small, the check that racecheck follows it here too.
+// Cost: the consumer's bar.arrive does not wait; the producer warp waits in bar.sync where its
+// lane 0 spun on the mbarrier and the other lanes waited at __syncwarp; 64 bytes of shared
+// memory fewer. The ids are in registers, so ptxas reserves all 16 named barriers; a Hopper SM
+// has 64 (cuda_occupancy.h), enough for 4 blocks, and shared memory already holds it to 2.
 #ifndef PRODUCER_WAIT_STAGE_FREE
-// Producer, lane 0, before it overwrites a stage: has round-1's page been read?
-#define PRODUCER_WAIT_STAGE_FREE(stage, round) mbar_wait(&sh.empty[stage], ((round) & 1) ^ 1)
+// Producer, whole warp, before it overwrites a stage: has round - 1's page been read? (The
+// warp is converged: the previous page ended with PRODUCER_AFTER_ISSUE.)
+#define PRODUCER_WAIT_STAGE_FREE(stage, round) \
+  do {                                         \
+    if ((round) > 0) named_barrier_sync<DECODE_STAGE_BARRIER_THREADS>(DECODE_EMPTY_BARRIER0 + (stage)); \
+  } while (0)
 // Producer, all lanes, after lane 0 issued the copies: a warp-scope barrier. The other 31
-// lanes wait for lane 0 here; nothing else in the block is involved.
+// lanes wait for lane 0 here, so the warp meets the next stage's named barrier converged.
 #define PRODUCER_AFTER_ISSUE(stage, round) __syncwarp()
 // Consumer, every lane, before it reads a stage: wait until its bytes have landed.
 #define CONSUMER_WAIT_STAGE_FULL(stage, round) mbar_wait(&sh.full[stage], (round) & 1)
-// Consumer, after reading a stage: every lane of the warp must be done (warp-scope barrier)
-// before lane 0 alone tells the producer the stage is free.
-#define CONSUMER_RELEASE_STAGE(stage) \
-  do {                                \
-    __syncwarp();                     \
-    if (lane == 0) mbar_arrive(&sh.empty[stage]); \
-  } while (0)
+// Consumer, whole warp, after reading a stage that the producer will refill (converged:
+// decode_page ends with __syncwarp): every lane's reads are ordered before the refill by the
+// warp's arrival.
+#define CONSUMER_RELEASE_STAGE(stage) named_barrier_arrive<DECODE_STAGE_BARRIER_THREADS>(DECODE_EMPTY_BARRIER0 + (stage))
 #endif
 
 // One consumer warp's page: scores for the 16 rows, online-softmax update, weighted V sum.
@@ -302,10 +327,7 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
   const int block_pages = min(pages_per_split, num_pages - first_page);
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < DECODE_STAGES; ++s) {
-      mbar_init(&sh.full[s], 1);
-      mbar_init(&sh.empty[s], 1);
-    }
+    for (int s = 0; s < DECODE_STAGES; ++s) mbar_init(&sh.full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
   }
   // The block's one __syncthreads, before the roles part: every thread reaches it, and after
@@ -316,8 +338,8 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
     const unsigned short* head_base = kv + (long long)kv_head * PA_SLICE;
     for (int i = 0; i < block_pages; ++i) {
       const int stage = i % DECODE_STAGES, round = i / DECODE_STAGES;
+      PRODUCER_WAIT_STAGE_FREE(stage, round);
       if (lane == 0) {
-        PRODUCER_WAIT_STAGE_FREE(stage, round);
         const unsigned short* k_slice = head_base + page_table[first_page + i] * PA_PAGE_STRIDE;
         const unsigned short* v_slice = k_slice + PA_KVH * PA_SLICE;
         mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);
@@ -349,7 +371,7 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
     CONSUMER_WAIT_STAGE_FULL(stage, round);
     const int valid_rows = min(PA_PAGE, seq_len - (first_page + i) * PA_PAGE);
     decode_page(sh.kv[stage][0], sh.kv[stage][1], valid_rows, qr, m, l, acc, sh.probabilities[consumer], lane);
-    CONSUMER_RELEASE_STAGE(stage);
+    if (i + DECODE_STAGES < block_pages) CONSUMER_RELEASE_STAGE(stage);  // only a stage that will be refilled
   }
 
   // This warp's totals: l over the 16 rows (4 lanes hold the same two rows).
@@ -361,7 +383,7 @@ PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D]
     for (int i = 0; i < DECODE_DPV; ++i) sh.warp_acc[consumer][h][lane * DECODE_DPV + i] = acc[h][i];
     if (lane == 0) sh.warp_max[consumer][h] = m[h], sh.warp_sum[consumer][h] = l[h];
   }
-  consumers_sync<DECODE_CONSUMER_THREADS>();
+  named_barrier_sync<DECODE_CONSUMER_THREADS>(DECODE_CONSUMERS_BARRIER);  // the producer, maybe gone, is not waited for
 
   // Combine the consumer warps (a warp without pages has max -inf and weighs 0), then either
   // finish (one block holds the whole sequence) or leave this split's share for the combine.
