@@ -543,7 +543,7 @@ def main():
     if args.quick:
         pending, deadline = start_sanitizers(), time.time() + QUICK_SANITIZER_S
         sections = [
-            ("correctness", lambda: check_correctness(cp, results, quick=True), 60),
+            ("correctness", lambda: check_correctness(cp, results, quick=True), 90),  # shares the GPU with the sanitizers
             ("broken_stress", lambda: stress_subprocess(results, QUICK_STRESS_RUNS, timeout=50), 60),
             ("sanitizer", lambda: collect_sanitizers(pending, results, folder, deadline), QUICK_SANITIZER_S + 10),
         ]
