@@ -257,6 +257,10 @@ class CudaBackend:
         self.position = self.state[STATE_POSITION : STATE_POSITION + 1]
         self.seq_len = self.state[STATE_SEQ_LEN : STATE_SEQ_LEN + 1]
         self.page_table = self.state[STATE_PAGE_TABLE:]
+        # Two pinned slots for greedy_tokens' per-step copies of the state's head.
+        import cupyx
+
+        self._greedy_heads = cupyx.empty_pinned((2, STATE_STATUS + 1), dtype=np.int32)
         self.residual = cp.empty(c.hidden_size, dtype=cp.float32)
         self.normed = cp.empty(c.hidden_size, dtype=cp.float16)
         self.qkv_partials = cp.empty((first.qkv.splits, first.qkv.out_features), dtype=cp.float32)
@@ -458,6 +462,50 @@ class CudaBackend:
         token = int(head[STATE_TOKEN])
         self._device_holds = (token, position + 1, self._pending)
         return token
+
+    def greedy_tokens(self, token_id: int, position: int, page_table, steps: int):
+        """The next `steps` greedy tokens after `token_id` at `position`, each fed back in turn.
+
+        With the graph, the device advances its own state, so the host need not wait for token k
+        before starting step k + 1: the generator keeps one step queued behind the one it reads.
+        Each step's head of `state` (token, position, seq_len, status) is copied to pinned host
+        memory right after the step, 16 bytes, so the queued step cannot overwrite it first. A
+        consumer that stops early leaves at most one extra step computed, at a position inside
+        the `steps` it asked for (the engine reserves their pages), never read.
+        """
+        if steps <= 0:
+            return
+        if not self.use_graph:  # eager launches are the host-cost baseline: one step at a time
+            for k in range(steps):
+                token_id = self.decode_greedy(token_id, position + k, page_table)
+                yield token_id
+            return
+        cp = self._cp
+        self._check_positions(position, steps, page_table)  # the whole run, once
+        self._step(token_id, position, page_table)  # checks and uploads the first step's inputs
+        graph, head_bytes = self.decode_graph(), 4 * (STATE_STATUS + 1)
+        heads = self._greedy_heads
+        ready = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+
+        def copy_head(slot: int) -> None:
+            cp.cuda.runtime.memcpyAsync(heads[slot].ctypes.data, self.state.data.ptr, head_bytes,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            ready[slot].record(self.stream)
+
+        try:
+            copy_head(0)
+            for k in range(steps):
+                if k + 1 < steps:
+                    graph.launch()  # step k + 1 reads the token step k chose, on the device
+                    copy_head((k + 1) % 2)
+                ready[k % 2].synchronize()
+                head = heads[k % 2].copy()
+                if head[STATE_STATUS]:
+                    raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, "
+                                             "or only -inf)")
+                yield int(head[STATE_TOKEN])
+        finally:
+            self._device_holds = None  # a step may have run ahead: the next request uploads
 
     # ------------------------------------------------------------------ prefill
 

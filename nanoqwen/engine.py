@@ -68,6 +68,20 @@ class Backend(Protocol):
     def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
         """argmax of `decode`, without bringing the logits to the host."""
 
+    # Optional: greedy_tokens(token_id, position, page_table, steps) -> Iterator[int], the next
+    # `steps` greedy tokens, each fed back; a backend may compute one step ahead of its consumer
+    # (see CudaBackend.greedy_tokens). Without it the engine calls decode_greedy step by step.
+
+
+def greedy_tokens(backend: Backend, token_id: int, position: int, page_table: np.ndarray, steps: int):
+    """The backend's greedy_tokens if it has one, else decode_greedy one step at a time."""
+    if hasattr(backend, "greedy_tokens"):
+        yield from backend.greedy_tokens(token_id, position, page_table, steps)
+        return
+    for k in range(steps):
+        token_id = backend.decode_greedy(token_id, position + k, page_table)
+        yield token_id
+
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here (no CuPy, no GPU, no CUDA backend)."""
@@ -301,12 +315,14 @@ class Engine:
             raise GenerationError(f"{e} (other generations still hold pages)") from e
         backend, sampling, rng = self.backend, request.sampling, request.sampling.rng()
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        finish_reason, timings = "length", [0.0, 0.0]
+        finish_reason, timings, upcoming = "length", [0.0, 0.0], None
         try:
             self._check_open()
             start = time.perf_counter()
             token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, rng)
             timings[0] = time.perf_counter() - start
+            if sampling.greedy:
+                upcoming = greedy_tokens(backend, token, prompt_len, page_table, request.max_new_tokens - 1)
             for step in range(request.max_new_tokens):
                 if token in request.stop_ids:
                     finish_reason = "stop"
@@ -319,7 +335,7 @@ class Engine:
                 start = time.perf_counter()
                 position = prompt_len + step  # where `token` goes in the cache
                 if sampling.greedy:
-                    token = backend.decode_greedy(token, position, page_table)
+                    token = next(upcoming)
                 else:
                     token = sample(backend.decode(token, position, page_table), sampling, rng)
                 timings[1] += time.perf_counter() - start
@@ -331,6 +347,8 @@ class Engine:
                 f"check it with `nanoqwen inspect --verify {self.model.path}`"
             ) from e
         finally:
+            if upcoming is not None:
+                upcoming.close()  # before the pages go back: a step may still be queued on them
             self.allocator.free(page_table)
         request.result = GenerationResult(
             prompt_token_ids=request.prompt_ids.tolist(),

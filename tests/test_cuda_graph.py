@@ -124,3 +124,35 @@ def test_non_finite_logits_raise_in_graph_greedy_decode(engines):
     finally:
         lm_head[row] = saved
         cuda.allocator.free(pages)
+
+
+def test_pipelined_greedy_tokens_equal_step_by_step(engines):
+    """CudaBackend.greedy_tokens keeps one step queued ahead of the one it reads; the tokens must
+    be those of one decode_greedy call per step."""
+    cuda, _ = engines
+    backend = cuda.backend
+    ids = np.array(cuda.tokenizer.encode(PROMPTS[1]), dtype=np.int32)
+    pages = cuda.allocator.allocate(4)
+    try:
+        first = int(np.argmax(backend.prefill(ids, 0, pages)))
+        ahead = list(backend.greedy_tokens(first, len(ids), pages, 40))
+        first = int(np.argmax(backend.prefill(ids, 0, pages)))
+        one_by_one, token = [], first
+        for k in range(40):
+            token = backend.decode_greedy(token, len(ids) + k, pages)
+            one_by_one.append(token)
+        assert ahead == one_by_one
+    finally:
+        cuda.allocator.free(pages)
+
+
+def test_stopping_early_leaves_the_engine_consistent(engines):
+    """A stop token ends a pipelined run with one step already queued; the next request must not
+    see it."""
+    cuda, numpy_engine = engines
+    want = numpy_engine.generate(PROMPTS[2], max_new_tokens=40, stop_token_ids=[]).token_ids
+    stop = want[12]
+    got = cuda.generate(PROMPTS[2], max_new_tokens=40, stop_token_ids=[stop]).token_ids
+    assert got == want[: want.index(stop)]
+    assert cuda.generate(PROMPTS[0], max_new_tokens=24, stop_token_ids=[]).token_ids == \
+        numpy_engine.generate(PROMPTS[0], max_new_tokens=24, stop_token_ids=[]).token_ids
