@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_THREADS, NULL, TILE_ROWS, gemv_splits  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_THREADS, NULL, TILE_ROWS, gate_up_launch, gemv_splits  # noqa: E402
 from nanoqwen.quant import dequantize_int4  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 from tools.bench_kernels import copies_for, copy_bandwidth, median_launch_seconds, random_scales, random_words  # noqa: E402
@@ -172,14 +172,15 @@ def time_engine_split(cp, module, problem, kernel, num_sms, warps_per_sm):
     return timed(cp, launch, problem.copies), error, splits, function.num_regs
 
 
-def time_engine(cp, module, problem, kernel, num_sms):
+def time_engine(cp, module, problem, kernel, num_sms, geometry="engine"):
     function = module.get_function(kernel)
     n = problem.n
     if problem.fused:
         out = cp.full(n, np.nan, dtype=cp.float16)
+        grid, block = gate_up_launch(n) if geometry == "engine" else ((-(-n // TILE_ROWS),), (GEMV_THREADS,))
 
         def launch(i):
-            function((-(-n // TILE_ROWS),), (GEMV_THREADS,), (problem.qweights[i], problem.scales[i], problem.x, out))
+            function(grid, block, (problem.qweights[i], problem.scales[i], problem.x, out))
         splits = 1
     else:
         splits = gemv_splits(n, problem.k, num_sms)
@@ -199,6 +200,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="eager launches of the main candidates, for ncu")
+    parser.add_argument("--ab", action="store_true", help="only the engine's gate+up against its predecessor")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -219,12 +221,12 @@ def main(argv=None) -> None:
         return
     copy = copy_bandwidth(cp)
     rows = []
-    for shape, (n, k, lab_kernel, engine_kernel, _) in SHAPES.items():
+    for shape, (n, k, lab_kernel, engine_kernel, _) in ({} if args.ab else SHAPES).items():
         problem = problems[shape]
         seconds, error, splits, regs = time_engine(cp, engine, problem, engine_kernel, num_sms)
         rows.append(dict(shape=shape, variant="engine", geometry=f"split {splits}", regs=regs, us=seconds * 1e6,
                          error=error, bytes=problem.weight_bytes))
-    for depth, threads, min_blocks in COMPILE_VARIANTS:
+    for depth, threads, min_blocks in ([] if args.ab else COMPILE_VARIANTS):
         module = compile_lab(cp, depth, threads, min_blocks)
         for shape, (n, k, lab_kernel, engine_kernel, _) in SHAPES.items():
             for slices, splits in GEOMETRIES[shape]:
@@ -234,7 +236,7 @@ def main(argv=None) -> None:
                 rows.append(dict(shape=shape, variant=f"reg d{depth} t{threads} b{min_blocks}",
                                  geometry=f"slices {slices} split {splits}", regs=regs, us=seconds * 1e6,
                                  error=error, bytes=problems[shape].weight_bytes))
-    for lite_unpack, stages in LITE_VARIANTS:
+    for lite_unpack, stages in ([] if args.ab else LITE_VARIANTS):
         module = compile_lab(cp, lite=lite_unpack, stages=stages)
         for shape in SHAPES:
             for warps_per_sm in (12, 20) if shape != "gate_up" else (None,):
@@ -247,14 +249,14 @@ def main(argv=None) -> None:
                 rows.append(dict(shape=shape, variant=f"{'lite' if lite_unpack else 'two-acc'} ring {stages}",
                                  geometry=f"split {splits}", regs=regs, us=seconds * 1e6, error=error,
                                  bytes=problem.weight_bytes))
-    for coal_depth in COAL_DEPTHS:
+    for coal_depth in ([] if args.ab else COAL_DEPTHS):
         module = compile_lab(cp, coal_depth=coal_depth)
         for shape in SHAPES:
             for splits in COAL_SPLITS[shape]:
                 seconds, error, regs = time_coal(cp, module, problems[shape], COAL_KERNELS[shape], splits)
                 rows.append(dict(shape=shape, variant=f"coal depth {coal_depth}", geometry=f"split {splits}", regs=regs,
                                  us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
-    for ring_stages in COALRING_STAGES:
+    for ring_stages in ([] if args.ab else COALRING_STAGES):
         module = compile_lab(cp, coalring_stages=ring_stages)
         for shape in SHAPES:
             for splits in COAL_SPLITS[shape]:
@@ -262,6 +264,15 @@ def main(argv=None) -> None:
                 seconds, error, regs = time_coal(cp, module, problems[shape], kernel, splits)
                 rows.append(dict(shape=shape, variant=f"coalring {ring_stages}", geometry=f"split {splits}", regs=regs,
                                  us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
+    module = compile_lab(cp)
+    for _ in range(2):  # the engine's gate+up against its predecessor, alternated in one run
+        problem = problems["gate_up"]
+        seconds, error, _, regs = time_engine(cp, module, problem, "tile16_gate_up_silu", num_sms, geometry="tile16")
+        rows.append(dict(shape="gate_up", variant="tile16 (engine before)", geometry="split 1", regs=regs,
+                         us=seconds * 1e6, error=error, bytes=problem.weight_bytes))
+        seconds, error, _, regs = time_engine(cp, engine, problem, "gemv_int4_gate_up_silu", num_sms)
+        rows.append(dict(shape="gate_up", variant="engine (coal)", geometry="split 1", regs=regs,
+                         us=seconds * 1e6, error=error, bytes=problem.weight_bytes))
     for r in rows:
         r["of_copy"] = r["bytes"] / (r["us"] * 1e-6) / copy
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s (read + write)")
