@@ -105,13 +105,11 @@ __device__ __forceinline__ uint4 prefetch_weights_16B(const void* address) {
 // Activations: small, read by every warp, so let them live in L1. They are the previous
 // kernel's output, so the load is an ordinary coherent one, never ld.global.nc (__ldg): ptxas
 // moves non-coherent loads across griddepcontrol.wait (see the section on programmatic
-// dependent launch above), and volatile keeps the compiler from doing the same.
+// dependent launch above). A plain C++ load through a pointer without __restrict__ compiles to
+// ld.global, which neither the compiler (the wait is volatile asm with a memory clobber) nor
+// ptxas moves above the wait, and which they may otherwise schedule freely.
 __device__ __forceinline__ uint4 load_activations_16B(const void* address) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(address));
-  return v;
+  return *reinterpret_cast<const uint4*>(address);
 }
 
 // ---------------------------------------------------------------- reductions
