@@ -91,17 +91,6 @@ __device__ __forceinline__ uint4 load_weights_16B(const void* address) {
   return v;
 }
 
-// The same request as an ordinary (coherent) load, for weights a kernel asks for before
-// wait_for_previous_kernel(): ptxas keeps coherent loads on their side of griddepcontrol.wait,
-// while it hoisted the wait above ld.global.nc weight loads written before it (nvcc 13.0 SASS).
-__device__ __forceinline__ uint4 prefetch_weights_16B(const void* address) {
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(address));
-  return v;
-}
-
 // Activations: small, read by every warp, so let them live in L1. They are the previous
 // kernel's output, so the load is an ordinary coherent one, never ld.global.nc (__ldg): ptxas
 // moves non-coherent loads across griddepcontrol.wait (see the section on programmatic

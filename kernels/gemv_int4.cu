@@ -27,9 +27,6 @@
 // the k slots 2t, 2t+1 (register a0/a1) and 2t+8, 2t+9 (a2/a3) and supplies x for the same
 // slots, identical for every g, which is all a dot product needs.
 //
-// The fused gate+up kernel at the end of the file reads the same packed rows in another order
-// (512 contiguous bytes of one row per warp load) and uses the MMA's diagonal; see there.
-//
 // Inside the decode graph each kernel starts while the previous one finishes (programmatic
 // dependent launch, common.cuh): the first groups of weights are requested before
 // wait_for_previous_kernel(), and x, which the previous kernel writes, is read after it.
@@ -242,95 +239,31 @@ gemv_int4_from_intermediate(const unsigned int* __restrict__ qweight, const unsi
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
-//
-// One warp per output row i, for gate row i and up row I + i together (silu needs both
-// finished sums), reading each row in steps of 8 groups: lane (g, t) = (lane / 4, lane % 4)
-// loads the t-th 16-byte chunk of group 8 s + g of both rows, so each load instruction of the
-// warp covers 512 contiguous bytes of one row. The same mma.m16n8k16 then gets another reading:
-// A's row g holds gate's group g and row g + 8 up's group g, B's column n holds x over group n,
-// so the diagonal D[g][g] (D[g + 8][g]) is group g's dot product for gate (up) and the
-// off-diagonal products are discarded. Lane (g, t) supplies A's and B's k-slots for the same
-// elements, all a dot product needs; the diagonal lands in lane (g, g / 2), register g % 2
-// (and 2 + g % 2). At the 7B's width the whole row (4 steps, 8 loads per lane) is requested
-// before the first multiplication. On an H200 this ran at 26.6 us against 28.7 us for the
-// 16-row tiles above (results/gemv-lab-h200.md, which lists what else was tried).
-// grid (ceil(I / GATE_UP_WARPS)), block (GATE_UP_WARPS * 32); h fp16 [I]
-constexpr int GATE_UP_WARPS = 4;
-constexpr int GROUPS_PER_STEP = 8;
-constexpr int GATE_UP_DEPTH = 4;  // steps of weights requested ahead
-
-extern "C" __global__ void __launch_bounds__(GATE_UP_WARPS * WARP_SIZE)
-gemv_int4_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* __restrict__ scales,
+// qweight/scales hold gate's rows then up's rows ([2 I, H/8] and [2 I, H/128]); each warp takes
+// the same 16 rows of both, over the whole input (silu needs the finished sum: no split).
+// A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
+// diagonal holding 8 groups) was not faster when timed against this one in the same run on an
+// H200 (29.2 vs 28.0 us; tools/gemv_lab.py --ab, results/gemv-lab-h200.md).
+// grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
+gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                        const unsigned short* x, unsigned short* __restrict__ h) {
-  constexpr int CHUNKS_PER_ROW = NQ_HIDDEN / 32;  // 16-byte chunks: 32 weights each
   constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  constexpr int STEPS = (GROUPS + GROUPS_PER_STEP - 1) / GROUPS_PER_STEP;
+  constexpr int TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
   let_next_kernel_launch();
-  const int wanted_row = blockIdx.x * GATE_UP_WARPS + threadIdx.x / WARP_SIZE;
-  const int row = min(wanted_row, NQ_INTERMEDIATE - 1);  // extra warps repeat the last row, unwritten
-  const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-  const uint4* gate_w = qweight + (long long)row * CHUNKS_PER_ROW + lane;
-  const uint4* up_w = qweight + (long long)(NQ_INTERMEDIATE + row) * CHUNKS_PER_ROW + lane;
-  const unsigned short* gate_s = scales + (long long)row * GROUPS + g;
-  const unsigned short* up_s = scales + (long long)(NQ_INTERMEDIATE + row) * GROUPS + g;
-  // Lanes whose group is past the row's end (the last step of a row of 28 groups) multiply
-  // nibbles 8, that is q = 0, with x = 0.
-  const uint4 zero_q = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
-  uint4 gate_ring[GATE_UP_DEPTH], up_ring[GATE_UP_DEPTH];
-  unsigned short gate_scale[GATE_UP_DEPTH], up_scale[GATE_UP_DEPTH];  // raw fp16, converted at use
-#pragma unroll
-  for (int u = 0; u < GATE_UP_DEPTH; ++u) {
-    const bool live = u < STEPS && GROUPS_PER_STEP * u + g < GROUPS;
-    gate_ring[u] = live ? prefetch_weights_16B(gate_w + 32 * u) : zero_q;
-    up_ring[u] = live ? prefetch_weights_16B(up_w + 32 * u) : zero_q;
-    gate_scale[u] = live ? __ldg(gate_s + GROUPS_PER_STEP * u) : (unsigned short)0;
-    up_scale[u] = live ? __ldg(up_s + GROUPS_PER_STEP * u) : (unsigned short)0;
+  const int wanted_tile = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+  const int tile = min(wanted_tile, TILES - 1);  // extra warps repeat the last tile, unwritten, but wait
+  const int lane = threadIdx.x % WARP_SIZE;
+  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
+  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
+  if (lane % 4 == 0 && wanted_tile == tile) {
+    // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
+    if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
+    if (row1 < NQ_INTERMEDIATE) h[row1] = float_to_half(acc[0][1] / (1.0f + expf(-acc[0][1])) * acc[1][1]);
   }
-  wait_for_previous_kernel();  // x is the previous kernel's output
-  float gate = 0.0f, up = 0.0f;
-  for (int first = 0; first < STEPS; first += GATE_UP_DEPTH) {
-#pragma unroll
-    for (int u = 0; u < GATE_UP_DEPTH; ++u) {
-      const int step = first + u;
-      if (step < STEPS) {
-        const int group = GROUPS_PER_STEP * step + g;
-        const bool live = group < GROUPS;
-        const uint4 a = gate_ring[u], b = up_ring[u];
-        const float a_scale = half_to_float(gate_scale[u]), b_scale = half_to_float(up_scale[u]);
-        const int next = step + GATE_UP_DEPTH;  // refill the slot just emptied
-        const bool next_live = next < STEPS && group + GROUPS_PER_STEP * GATE_UP_DEPTH < GROUPS;
-        gate_ring[u] = next_live ? load_weights_16B(gate_w + 32 * next) : zero_q;
-        up_ring[u] = next_live ? load_weights_16B(up_w + 32 * next) : zero_q;
-        gate_scale[u] = next_live ? __ldg(gate_s + GROUPS_PER_STEP * next) : (unsigned short)0;
-        up_scale[u] = next_live ? __ldg(up_s + GROUPS_PER_STEP * next) : (unsigned short)0;
-        const unsigned short* xg = x + min(group, GROUPS - 1) * NQ_GROUP_SIZE + 32 * t;
-        uint4 xv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = live ? load_activations_16B(xg + 8 * j) : make_uint4(0, 0, 0, 0);
-        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
-                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
-                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
-                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
-        const unsigned int gate_words[4] = {a.x, a.y, a.z, a.w}, up_words[4] = {b.x, b.y, b.z, b.w};
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          unsigned int p0[4], p1[4];
-          unpack_int4_word(gate_words[j], p0);
-          unpack_int4_word(up_words[j], p1);
-          mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
-          mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
-        }
-        gate = fmaf(a_scale, (g & 1) ? d[1] : d[0], gate);
-        up = fmaf(b_scale, (g & 1) ? d[3] : d[2], up);
-      }
-    }
-  }
-  const bool holds_diagonal = t == g / 2;
-  gate = warp_sum(holds_diagonal ? gate : 0.0f);
-  up = warp_sum(holds_diagonal ? up : 0.0f);
-  // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
-  if (lane == 0 && wanted_row < NQ_INTERMEDIATE) h[row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a

@@ -46,7 +46,6 @@ from .loader import Int4Linear, Model
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
 TILE_ROWS = 16  # rows per warp in the INT4 GEMV (gemv_int4.cu)
 GEMV_THREADS = 32  # one warp per block
-GATE_UP_WARPS = 4  # warps per block of gemv_int4_gate_up_silu, one output row each (gemv_int4.cu)
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
@@ -106,8 +105,8 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
 
 
 def gate_up_launch(intermediate_size: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of gemv_int4_gate_up_silu: one warp per output row."""
-    return (-(-intermediate_size // GATE_UP_WARPS),), (GATE_UP_WARPS * 32,)
+    """(grid, block) of gemv_int4_gate_up_silu: one warp per 16-row tile of gate and of up."""
+    return (-(-intermediate_size // TILE_ROWS),), (GEMV_THREADS,)
 
 
 def persistent_blocks(kernel, threads: int, num_sms: int) -> int:

@@ -344,9 +344,18 @@ def test_kernels_allowed_to_start_early_are_those_whose_file_waits():
 
 
 def test_every_waiting_kernel_also_lets_the_next_one_launch():
-    for file in {file for name, file in DECODE_KERNELS.items() if name in KERNELS_THAT_WAIT}:
+    """Textual: each entry point of a waiting kernel calls let_next_kernel_launch() (the wait
+    itself may sit in a helper several entry points share, as int4_tile_dot in gemv_int4.cu)."""
+    for name, file in DECODE_KERNELS.items():
+        if name not in KERNELS_THAT_WAIT:
+            continue
         source = (KERNELS / file).read_text()
-        assert source.count("let_next_kernel_launch();") == source.count("wait_for_previous_kernel();"), file
+        if f"{name}(" not in source:  # named through a macro (Path A's, the attention decode)
+            assert "let_next_kernel_launch();" in source, file
+            continue
+        body = source[source.index(f"{name}("):]
+        body = body[: body.find('extern "C"') if 'extern "C"' in body else len(body)]
+        assert "let_next_kernel_launch();" in body or "_partials<" in body, name
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -347,7 +347,7 @@ lite_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short
 // which is the consistency the MMA needs. D[g][g] lives in lane (g, g / 2), register g % 2
 // (D[g + 8][g] in register 2 + g % 2).
 // ------------------------------------------------------------------------------------------
-// (GROUPS_PER_STEP = 8 comes from gemv_int4.cu, whose gate+up kernel is this layout.)
+constexpr int GROUPS_PER_STEP = 8;
 #ifndef NQ_COAL_DEPTH
 #define NQ_COAL_DEPTH 4
 #endif
@@ -619,27 +619,4 @@ coalring_gate_up_silu(const uint4* __restrict__ qweight, const unsigned short* _
   const float2 sums = coalring_pair_dot<NQ_HIDDEN>(qweight, scales, x, row, NQ_INTERMEDIATE + row, 0, NQ_HIDDEN / NQ_GROUP_SIZE);
   if (threadIdx.x % WARP_SIZE == 0 && unit < NQ_INTERMEDIATE)
     h[row] = float_to_half(sums.x / (1.0f + expf(-sums.x)) * sums.y);
-}
-
-// ------------------------------------------------------------------------------------------
-// "tile16": the engine's gate+up before it took the coal layout (16-row tiles of gate and up in
-// one warp through the cp.async ring), kept here for the A/B against gemv_int4_gate_up_silu.
-// grid (ceil(I / 16)), block (32)
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
-tile16_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                    const unsigned short* x, unsigned short* __restrict__ h) {
-  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  constexpr int TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
-  let_next_kernel_launch();
-  const int tile = min((int)(blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE), TILES - 1);
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
-  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
-  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
-  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
-  if (lane % 4 == 0) {
-    if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
-    if (row1 < NQ_INTERMEDIATE) h[row1] = float_to_half(acc[0][1] / (1.0f + expf(-acc[0][1])) * acc[1][1]);
-  }
 }

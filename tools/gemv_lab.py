@@ -172,12 +172,12 @@ def time_engine_split(cp, module, problem, kernel, num_sms, warps_per_sm):
     return timed(cp, launch, problem.copies), error, splits, function.num_regs
 
 
-def time_engine(cp, module, problem, kernel, num_sms, geometry="engine"):
+def time_engine(cp, module, problem, kernel, num_sms):
     function = module.get_function(kernel)
     n = problem.n
     if problem.fused:
         out = cp.full(n, np.nan, dtype=cp.float16)
-        grid, block = gate_up_launch(n) if geometry == "engine" else ((-(-n // TILE_ROWS),), (GEMV_THREADS,))
+        grid, block = gate_up_launch(n)
 
         def launch(i):
             function(grid, block, (problem.qweights[i], problem.scales[i], problem.x, out))
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true", help="eager launches of the main candidates, for ncu")
-    parser.add_argument("--ab", action="store_true", help="only the engine's gate+up against its predecessor")
+    parser.add_argument("--ab", action="store_true", help="only the engine's gate+up against the coal form")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -265,13 +265,13 @@ def main(argv=None) -> None:
                 rows.append(dict(shape=shape, variant=f"coalring {ring_stages}", geometry=f"split {splits}", regs=regs,
                                  us=seconds * 1e6, error=error, bytes=problems[shape].weight_bytes))
     module = compile_lab(cp)
-    for _ in range(2):  # the engine's gate+up against its predecessor, alternated in one run
+    for _ in range(2):  # the engine's gate+up against the coal form, alternated in one run
         problem = problems["gate_up"]
-        seconds, error, _, regs = time_engine(cp, module, problem, "tile16_gate_up_silu", num_sms, geometry="tile16")
-        rows.append(dict(shape="gate_up", variant="tile16 (engine before)", geometry="split 1", regs=regs,
-                         us=seconds * 1e6, error=error, bytes=problem.weight_bytes))
         seconds, error, _, regs = time_engine(cp, engine, problem, "gemv_int4_gate_up_silu", num_sms)
-        rows.append(dict(shape="gate_up", variant="engine (coal)", geometry="split 1", regs=regs,
+        rows.append(dict(shape="gate_up", variant="engine (16-row tiles)", geometry="split 1", regs=regs,
+                         us=seconds * 1e6, error=error, bytes=problem.weight_bytes))
+        seconds, error, regs = time_coal(cp, module, problem, "coal_gate_up_silu", 1)
+        rows.append(dict(shape="gate_up", variant="coal depth 4", geometry="split 1", regs=regs,
                          us=seconds * 1e6, error=error, bytes=problem.weight_bytes))
     for r in rows:
         r["of_copy"] = r["bytes"] / (r["us"] * 1e-6) / copy
