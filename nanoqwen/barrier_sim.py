@@ -11,23 +11,30 @@ The model follows the hardware rules the kernel relies on:
 
 * an **mbarrier** (`MBarrier`) counts arrivals and expected transaction bytes; a phase
   completes when both reach zero, and `try_wait.parity(p)` passes once the phase of parity
-  `p` has completed (so waiting on parity 1 passes at once on a fresh barrier);
+  `p` has completed (so waiting on parity 1 passes at once on a fresh barrier). It lives in
+  shared memory and must be initialized before anyone touches it;
 * a **bulk copy** is an actor of its own: issued by a thread, it lands later, at a moment the
   scheduler picks, writing its page into shared memory and completing bytes on an mbarrier;
+* a **named barrier** (`bar.arrive` / `bar.sync` with an id and a thread count) is a hardware
+  counter that needs no initialization and has no phases to name. Its instructions are
+  warp-wide: a warp's arrival counts once all of its live lanes have executed the
+  instruction, and then counts the warp's 32 threads. `bar.arrive` goes on, `bar.sync` waits;
+  when the count is reached every waiter is released and the counter starts over. Arrivals
+  still pending when the block ends are reported (nothing synchronized with them);
 * a **block barrier** (`__syncthreads`, `bar.sync 0`) releases when every thread of the block
   that has not exited has arrived. That is what the hardware does (warps that exited count as
   arrived); CUDA calls it undefined unless every thread reaches the *same* barrier, and the
-  model reports any release that breaks that rule, as `compute-sanitizer --tool synccheck`
-  does;
+  model reports any release that breaks that rule;
 * a **warp barrier** (`__syncwarp`) releases when every lane group of one warp has arrived.
 
-A consumer warp is two actors, lane 0 and lanes 1-31, because lane 0 alone tells the producer
-that a stage is free: without a warp barrier first, the other lanes may still be reading it.
-Every read records whether it saw the page it expected; a stale read is the bug.
+A consumer warp is two actors, lane 0 and lanes 1-31, because the old hand-off let lane 0
+alone tell the producer that a stage is free: without a warp barrier first, the other lanes
+may still be reading it. Every read records whether it saw the page it expected; a stale read
+is the bug.
 
     >>> result = explore(FIXED, num_pages=3, stages=2, consumers=1)
-    >>> result.stale_reads, result.deadlocks, result.barrier_errors
-    (0, 0, 0)
+    >>> result.stale_reads, result.deadlocks, result.barrier_errors, result.unmatched_arrivals
+    (0, 0, 0, 0)
 """
 
 from __future__ import annotations
@@ -38,41 +45,71 @@ from dataclasses import dataclass, field, replace
 
 __all__ = [
     "BROKEN",
+    "EMPTY_SIGNALS",
     "FIXED",
+    "LANE_ARRIVALS",
+    "LANE0_MBARRIER",
     "NO_SETUP_BARRIER",
     "NO_SYNCWARP",
+    "RELEASE_EVERY_PAGE",
+    "SYNC_FIRST_ROUND",
     "Exploration",
+    "Programs",
     "Protocol",
     "Run",
     "build_programs",
     "explore",
     "random_runs",
+    "reads_released_by_others",
     "run_schedule",
     "shortest_failing_schedule",
 ]
 
 SLICE_BYTES = 4096  # one page slice: 16 rows x 128 dims x fp16
 SLOTS = ("K", "V")
+WARP_SIZE = 32
+STAGE_BARRIER_THREADS = 2 * WARP_SIZE  # a stage's named barrier: the producer warp + one consumer warp
+# How a consumer warp tells the producer that it has read a stage ("empty"):
+EMPTY_SIGNALS = {
+    "named": "bar.arrive by the consumer warp, bar.sync by the producer warp (64 threads)",
+    "lane0": "__syncwarp, then lane 0 arrives on the mbarrier empty[s] (1 arrival)",
+    "lanes": "every lane arrives on the mbarrier empty[s] (32 arrivals)",
+}
 
 
 @dataclass(frozen=True)
 class Protocol:
     """How the producer and consumers hand a shared-memory stage to each other.
 
-    The four hooks match the four macros of kernels/paged_attention.cu; the fixed kernel and
-    kernels/paged_attention_broken.cu differ only in them.
+    The hooks match the four macros of kernels/paged_attention.cu; the fixed kernel and
+    kernels/paged_attention_broken.cu differ only in them. `empty` says which signal carries
+    "stage read" (EMPTY_SIGNALS); "stage holds its page" is always the mbarrier full[s].
     """
 
     name: str
+    empty: str = "named"
     setup_barrier: bool = True  # block-wide barrier after thread 0 initializes the mbarriers
-    producer_waits_empty: bool = True  # PRODUCER_WAIT_STAGE_FREE: mbarrier wait on empty[s]
+    producer_waits_empty: bool = True  # PRODUCER_WAIT_STAGE_FREE
     producer_block_barrier: bool = False  # PRODUCER_AFTER_ISSUE: wait full[s] + __syncthreads()
     consumer_waits_full: bool = True  # CONSUMER_WAIT_STAGE_FULL: mbarrier wait on full[s]
-    consumer_releases: bool = True  # CONSUMER_RELEASE_STAGE: arrive on empty[s] (lane 0)
-    consumer_syncwarp: bool = True  # ... after a __syncwarp() so every lane has finished
+    consumer_releases: bool = True  # CONSUMER_RELEASE_STAGE
+    consumer_syncwarp: bool = True  # __syncwarp() after the reads (decode_page ends with one)
+    producer_skips_first_round: bool = True  # named: a fresh stage is free, no bar.sync in round 0
+    release_only_refilled: bool = True  # named: no bar.arrive for a stage that is not refilled
+
+    def __post_init__(self):
+        if self.empty not in EMPTY_SIGNALS:
+            raise ValueError(f"unknown empty signal {self.empty!r}; one of {sorted(EMPTY_SIGNALS)}")
 
 
+# The kernel: empty[s] is the named barrier 2 + s, as in kernels/paged_attention.cu.
 FIXED = Protocol("fixed")
+# The kernel's hand-off before the port to named barriers: correct on the hardware (the
+# __syncwarp orders lanes 1-31's reads before lane 0's arrival), but racecheck 2025.3 did not
+# follow that chain (results/sanitizer-probe-h200.md). Every stage was released.
+LANE0_MBARRIER = Protocol("empty mbarrier, lane 0 arrives", empty="lane0", release_only_refilled=False)
+# The other hand-off racecheck accepted in tools/sanitizer_probe.py: each lane arrives itself.
+LANE_ARRIVALS = Protocol("empty mbarrier, every lane arrives", empty="lanes", release_only_refilled=False)
 # The bug: the synchronous kernel's one __syncthreads() moved inside the producer's branch.
 BROKEN = Protocol(
     "broken",
@@ -81,8 +118,10 @@ BROKEN = Protocol(
     consumer_waits_full=False,
     consumer_releases=False,
 )
-NO_SYNCWARP = replace(FIXED, name="no __syncwarp before release", consumer_syncwarp=False)
+NO_SYNCWARP = replace(LANE0_MBARRIER, name="lane 0 arrives without __syncwarp", consumer_syncwarp=False)
 NO_SETUP_BARRIER = replace(FIXED, name="no barrier after mbarrier init", setup_barrier=False)
+SYNC_FIRST_ROUND = replace(FIXED, name="producer bar.sync before a stage's first fill", producer_skips_first_round=False)
+RELEASE_EVERY_PAGE = replace(FIXED, name="bar.arrive for a stage nobody refills", release_only_refilled=False)
 
 
 # An instruction is a tuple: (opcode, *operands). Opcodes:
@@ -90,48 +129,63 @@ NO_SETUP_BARRIER = replace(FIXED, name="no barrier after mbarrier init", setup_b
 #   ("bar", site)                   __syncthreads() written at `site`
 #   ("syncwarp",)                   __syncwarp()
 #   ("wait", barrier, parity)       spin on mbarrier.try_wait.parity
-#   ("arrive", barrier)             mbarrier.arrive
-#   ("expect_tx", barrier, nbytes)  mbarrier.arrive.expect_tx
+#   ("arrive", barrier, threads)    mbarrier.arrive by `threads` threads of the actor
+#   ("expect_tx", barrier, nbytes)  mbarrier.arrive.expect_tx (one thread)
 #   ("copy", stage, slot, page, barrier)  cp.async.bulk ... complete_tx on `barrier`
 #   ("read", stage, slot, page)     load shared memory, expecting `page`
+#   ("bar_arrive", barrier)         bar.arrive on a named barrier (warp-wide)
+#   ("bar_sync", barrier)           bar.sync on a named barrier (warp-wide)
 
 
 @dataclass(frozen=True)
 class Actor:
     name: str
     warp: int
+    threads: int  # how many of the warp's threads this actor stands for
     program: tuple
 
 
-def build_programs(protocol: Protocol, num_pages: int, stages: int, consumers: int) -> tuple[tuple[Actor, ...], dict[str, int]]:
+@dataclass(frozen=True)
+class Programs:
+    actors: tuple  # the producer, then each consumer warp's lane 0 and lanes 1-31
+    mbarriers: dict  # name -> arrivals that complete a phase
+    named: dict  # name -> threads that complete the named barrier
+
+
+def build_programs(protocol: Protocol, num_pages: int, stages: int, consumers: int) -> Programs:
     """The producer's and every consumer lane group's straight-line program.
 
     Consumer warp `w` takes pages w, w + consumers, ...; page `i` goes to stage `i % stages`
-    in round `i // stages`. Returns the actors and each mbarrier's arrival count.
+    in round `i // stages`.
     """
     if num_pages < 1 or stages < 1 or consumers < 1:
         raise ValueError(f"need at least one page, stage and consumer, got {num_pages}, {stages}, {consumers}")
-    counts = {}
-    for s in range(stages):
-        counts[f"full{s}"] = 1  # the producer's arrive.expect_tx
-        counts[f"empty{s}"] = 1  # lane 0 of the consumer warp that read the stage
     p = protocol
+    named = p.empty == "named"
+    mbarriers = {f"full{s}": 1 for s in range(stages)}  # the producer's arrive.expect_tx
+    if not named:
+        mbarriers.update({f"empty{s}": 1 if p.empty == "lane0" else WARP_SIZE for s in range(stages)})
+    named_barriers = {f"empty{s}": STAGE_BARRIER_THREADS for s in range(stages)} if named else {}
+
     producer = [("init",)]
     if p.setup_barrier:
         producer.append(("bar", "setup"))
     for i in range(num_pages):
         s, r = i % stages, i // stages
         if p.producer_waits_empty:
-            producer.append(("wait", f"empty{s}", (r & 1) ^ 1))
+            if not named:
+                producer.append(("wait", f"empty{s}", (r & 1) ^ 1))  # lane 0 spins; the fresh phase passes
+            elif r > 0 or not p.producer_skips_first_round:
+                producer.append(("bar_sync", f"empty{s}"))
         producer.append(("expect_tx", f"full{s}", len(SLOTS) * SLICE_BYTES))
         producer += [("copy", s, slot, i, f"full{s}") for slot in SLOTS]
         if p.producer_block_barrier:
             producer += [("wait", f"full{s}", r & 1), ("bar", "producer branch")]
         else:
             producer.append(("syncwarp",))
-    actors = [Actor("producer", 0, tuple(producer))]
+    actors = [Actor("producer", 0, WARP_SIZE, tuple(producer))]
     for w in range(consumers):
-        for lanes in ("lane 0", "lanes 1-31"):
+        for lanes, threads in (("lane 0", 1), ("lanes 1-31", WARP_SIZE - 1)):
             program = [("bar", "setup")] if p.setup_barrier else []
             for i in range(w, num_pages, consumers):
                 s, r = i % stages, i // stages
@@ -140,10 +194,43 @@ def build_programs(protocol: Protocol, num_pages: int, stages: int, consumers: i
                 program += [("read", s, slot, i) for slot in SLOTS]
                 if p.consumer_syncwarp:
                     program.append(("syncwarp",))
-                if p.consumer_releases and lanes == "lane 0":
-                    program.append(("arrive", f"empty{s}"))
-            actors.append(Actor(f"consumer {w} {lanes}", w + 1, tuple(program)))
-    return tuple(actors), counts
+                if not p.consumer_releases or (p.release_only_refilled and i + stages >= num_pages):
+                    continue
+                if named:
+                    program.append(("bar_arrive", f"empty{s}"))
+                elif p.empty == "lanes":
+                    program.append(("arrive", f"empty{s}", threads))
+                elif lanes == "lane 0":
+                    program.append(("arrive", f"empty{s}", 1))
+            actors.append(Actor(f"consumer {w} {lanes}", w + 1, threads, tuple(program)))
+    return Programs(tuple(actors), mbarriers, named_barriers)
+
+
+def reads_released_by_others(protocol: Protocol, num_pages: int, stages: int, consumers: int) -> list:
+    """(actor, page) for every page a consumer lane group reads, that the producer refills
+    later, and after which that lane group takes no part in a release of the stage itself.
+
+    Such reads are ordered before the refill only through someone else's release: lanes
+    1-31 reach lane 0's arrival through __syncwarp. The hardware (and this model) follows
+    that chain; compute-sanitizer's racecheck 2025.3 reported a WAR on exactly these reads,
+    lanes 1-31 and never lane 0, in every probe ring released that way
+    (tools/sanitizer_probe.py, results/sanitizer-probe-h200.md).
+    """
+    found = []
+    for actor in build_programs(protocol, num_pages, stages, consumers).actors[1:]:
+        program = actor.program
+        last_read = {op[3]: k for k, op in enumerate(program) if op[0] == "read"}
+        for page, k in sorted(last_read.items()):
+            if page + stages >= num_pages:
+                continue  # never overwritten: nothing to order
+            released = False
+            for op in program[k + 1 :]:
+                if op[0] == "read":
+                    break
+                released |= op[0] in ("arrive", "bar_arrive") and op[1] == f"empty{page % stages}"
+            if not released:
+                found.append((actor.name, page))
+    return found
 
 
 # ------------------------------------------------------------------------------- machine
@@ -168,6 +255,10 @@ class MBarrier:
         return (self.phase & 1) != parity
 
 
+# Indices into State.flags: a condition that, once reached, stays true for the rest of the run.
+STALE, BARRIER_ERROR, UNINITIALIZED, UNMATCHED = range(4)
+
+
 @dataclass(frozen=True)
 class State:
     pcs: tuple  # next instruction of each actor; len(program) once it exited
@@ -176,7 +267,10 @@ class State:
     mbar: tuple  # (name, MBarrier) pairs, sorted by name
     smem: tuple  # smem[stage][slot] = page last landed there; None = left by an earlier block
     copies: tuple  # bulk copies in flight: (stage, slot, page, barrier)
-    flags: tuple = (False, False, False)  # (stale read, barrier error, wait on uninitialized mbarrier)
+    named: tuple = ()  # (name, threads arrived since the barrier last completed), sorted by name
+    at_named: frozenset = frozenset()  # actors at bar.arrive/bar.sync, waiting for their warp's lanes
+    named_waiting: frozenset = frozenset()  # actors counted at a bar.sync, waiting for it to complete
+    flags: tuple = (False, False, False, False)  # see STALE, BARRIER_ERROR, UNINITIALIZED, UNMATCHED
 
 
 @dataclass
@@ -187,12 +281,18 @@ class Run:
     stale_reads: list = field(default_factory=list)  # (step, actor, stage, slot, expected, seen)
     barrier_errors: list = field(default_factory=list)
     uninitialized_waits: list = field(default_factory=list)
+    unmatched_arrivals: list = field(default_factory=list)  # (step, barrier, threads) left at the end
     deadlock: bool = False
     trace: list = field(default_factory=list)  # (step, who, what)
 
     @property
     def ok(self) -> bool:
-        return not (self.stale_reads or self.barrier_errors or self.uninitialized_waits or self.deadlock)
+        return not (self.stale_reads or self.barrier_errors or self.uninitialized_waits or self.unmatched_arrivals
+                    or self.deadlock)
+
+
+def _set(flags: tuple, index: int) -> tuple:
+    return flags[:index] + (True,) + flags[index + 1 :]
 
 
 class Machine:
@@ -200,9 +300,10 @@ class Machine:
 
     def __init__(self, protocol: Protocol, num_pages: int, stages: int, consumers: int):
         self.protocol = protocol
-        self.actors, self.counts = build_programs(protocol, num_pages, stages, consumers)
+        programs = build_programs(protocol, num_pages, stages, consumers)
+        self.actors, self.counts, self.named_counts = programs.actors, programs.mbarriers, programs.named
         self.stages = stages
-        self.warps = {a.warp for a in self.actors}
+        self.warps = sorted({a.warp for a in self.actors})
 
     def initial(self) -> State:
         return State(
@@ -212,6 +313,7 @@ class Machine:
             mbar=tuple(sorted((name, MBarrier()) for name in self.counts)),
             smem=tuple((None, None) for _ in range(self.stages)),
             copies=(),
+            named=tuple(sorted((name, 0) for name in self.named_counts)),
         )
 
     def _op(self, state: State, a: int):
@@ -225,10 +327,11 @@ class Machine:
         """Actor indices that can execute their next instruction, then ("copy", k) for
         each bulk copy in flight (any of them may land next)."""
         mbar = dict(state.mbar)
+        held = state.at_bar | state.at_warp | state.at_named | state.named_waiting  # released only by others
         ready = []
         for a in self.live(state):
-            if a in state.at_bar or a in state.at_warp:
-                continue  # released only by the last arrival
+            if a in held:
+                continue
             op = self._op(state, a)
             if op[0] == "wait":
                 barrier = mbar[op[1]]
@@ -239,7 +342,7 @@ class Machine:
 
     def step(self, state: State, who, events: Run | None = None) -> State:
         """Execute one step of actor `who` (an index) or land copy `who` = ("copy", k)."""
-        stale, barrier_error, uninit = state.flags
+        flags = state.flags
         mbar = dict(state.mbar)
         if isinstance(who, tuple):  # the copy engine writes a page slice and completes bytes
             stage, slot, page, name = state.copies[who[1]]
@@ -255,7 +358,7 @@ class Machine:
         op = self._op(state, a)
         pcs = list(state.pcs)
         pcs[a] += 1
-        at_bar, at_warp, copies = state.at_bar, state.at_warp, state.copies
+        at_bar, at_warp, at_named, copies = state.at_bar, state.at_warp, state.at_named, state.copies
         name = self.actors[a].name
         kind = op[0]
         if kind == "init":
@@ -265,16 +368,17 @@ class Machine:
         elif kind == "wait":
             b = mbar[op[1]]
             if not b.initialized:
-                uninit = True
+                flags = _set(flags, UNINITIALIZED)
                 if events is not None:
                     events.uninitialized_waits.append((len(events.trace), name, op[1]))
             self._log(events, name, f"passes try_wait.parity({op[2]}) on {op[1]} (phase {b.phase})")
         elif kind in ("arrive", "expect_tx"):
             b = mbar[op[1]]
+            arrivals = op[2] if kind == "arrive" else 1
             if b.initialized:
                 tx = b.tx + (op[2] if kind == "expect_tx" else 0)
-                mbar[op[1]] = replace(b, tx=tx, pending=b.pending - 1).completes(self.counts[op[1]])
-            what = "arrive" if kind == "arrive" else f"arrive.expect_tx({op[2]} B)"
+                mbar[op[1]] = replace(b, tx=tx, pending=b.pending - arrivals).completes(self.counts[op[1]])
+            what = f"arrive ({arrivals} thread{'s' * (arrivals > 1)})" if kind == "arrive" else f"arrive.expect_tx({op[2]} B)"
             self._log(events, name, f"{what} on {op[1]}")
         elif kind == "copy":
             copies = copies + ((op[1], op[2], op[3], op[4]),)
@@ -283,7 +387,7 @@ class Machine:
             seen = state.smem[op[1]][SLOTS.index(op[2])]
             in_flight = any(c[0] == op[1] and c[1] == op[2] for c in copies)
             if seen != op[3]:
-                stale = True
+                flags = _set(flags, STALE)
                 if events is not None:
                     events.stale_reads.append((len(events.trace), name, op[1], op[2], op[3], seen))
             note = "" if seen == op[3] else f"  <-- STALE: expected page {op[3]}"
@@ -297,11 +401,18 @@ class Machine:
             pcs[a] -= 1
             at_warp = at_warp | {a}
             self._log(events, name, "arrives at __syncwarp()")
-        new = State(tuple(pcs), at_bar, at_warp, tuple(sorted(mbar.items())), state.smem, copies, (stale, barrier_error, uninit))
+        elif kind in ("bar_arrive", "bar_sync"):
+            pcs[a] -= 1  # the warp's arrival counts once all its lanes are here
+            at_named = at_named | {a}
+            self._log(events, name, f"reaches {kind.replace('_', '.')} on named barrier {op[1]}")
+        new = replace(state, pcs=tuple(pcs), at_bar=at_bar, at_warp=at_warp, at_named=at_named,
+                      mbar=tuple(sorted(mbar.items())), copies=copies, flags=flags)
         return self._release(new, events)
 
     def _release(self, state: State, events: Run | None) -> State:
-        """Open the block barrier and any warp barrier whose every live participant arrived."""
+        """Open every barrier whose participants have all arrived: the block barrier, warp
+        barriers, and named barriers (first counting each warp whose lanes have all reached
+        its bar.arrive/bar.sync, then completing each barrier whose count is reached)."""
         changed = True
         while changed:
             changed = False
@@ -315,7 +426,7 @@ class Machine:
                 flags = state.flags
                 if len(sites) > 1 or exited:
                     why = f"sites {sorted(sites)}" if len(sites) > 1 else f"{exited} actor(s) exited without arriving"
-                    flags = (flags[0], True, flags[2])
+                    flags = _set(flags, BARRIER_ERROR)
                     if events is not None:
                         events.barrier_errors.append((len(events.trace), why))
                     self._log(events, "block barrier", f"releases, but not every thread reached it: {why}")
@@ -333,13 +444,65 @@ class Machine:
                     state = replace(state, pcs=tuple(pcs), at_warp=state.at_warp - waiting)
                     self._log(events, f"warp {w} barrier", "releases")
                     changed = True
+                gathered = state.at_named & members
+                if gathered and gathered >= members:
+                    state = self._warp_arrives(state, w, gathered, events)
+                    changed = True
+            for name, count in state.named:
+                if count >= self.named_counts[name]:
+                    state = self._named_completes(state, name, count, events)
+                    changed = True
+        if not self.live(state) and not state.flags[UNMATCHED] and any(count for _, count in state.named):
+            left = [(name, count) for name, count in state.named if count]
+            if events is not None:
+                events.unmatched_arrivals += [(len(events.trace), name, count) for name, count in left]
+            self._log(events, "block", f"ends with arrivals nobody synchronized with: {left}")
+            state = replace(state, flags=_set(state.flags, UNMATCHED))
         return state
+
+    def _warp_arrives(self, state: State, warp: int, gathered: frozenset, events: Run | None) -> State:
+        ops = {self._op(state, a) for a in gathered}
+        flags = state.flags
+        if len(ops) > 1:  # the lanes of one warp at different named-barrier instructions
+            flags = _set(flags, BARRIER_ERROR)
+            if events is not None:
+                events.barrier_errors.append((len(events.trace), f"warp {warp} lanes at {sorted(ops)}"))
+        kind, name = min(ops)
+        threads = sum(self.actors[a].threads for a in gathered)
+        named = dict(state.named)
+        named[name] += threads
+        pcs, waiting = list(state.pcs), state.named_waiting
+        if kind == "bar_arrive":
+            for a in gathered:
+                pcs[a] += 1
+        else:
+            waiting = waiting | gathered
+        self._log(events, f"warp {warp}", f"{kind.replace('_', '.')} counts {threads} threads on {name}: "
+                                          f"{named[name]} of {self.named_counts[name]}")
+        return replace(state, pcs=tuple(pcs), at_named=state.at_named - gathered, named_waiting=waiting,
+                       named=tuple(sorted(named.items())), flags=flags)
+
+    def _named_completes(self, state: State, name: str, count: int, events: Run | None) -> State:
+        flags = state.flags
+        if count > self.named_counts[name]:  # more threads than the barrier's count arrived
+            flags = _set(flags, BARRIER_ERROR)
+            if events is not None:
+                events.barrier_errors.append((len(events.trace), f"{count} threads on {name}"))
+        released = frozenset(a for a in state.named_waiting if self._op(state, a)[1] == name)
+        pcs = list(state.pcs)
+        for a in released:
+            pcs[a] += 1
+        named = dict(state.named)
+        named[name] = 0
+        who = ", ".join(self.actors[a].name for a in sorted(released)) or "nobody"
+        self._log(events, f"named barrier {name}", f"completes ({count} threads), releases {who}")
+        return replace(state, pcs=tuple(pcs), named_waiting=state.named_waiting - released,
+                       named=tuple(sorted(named.items())), flags=flags)
 
     @staticmethod
     def _log(events: Run | None, who: str, what: str) -> None:
         if events is not None:
             events.trace.append((len(events.trace), who, what))
-
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -393,6 +556,7 @@ class Exploration:
     barrier_errors: int
     uninitialized_waits: int
     deadlocks: int
+    unmatched_arrivals: int  # reachable states after the block ended with named-barrier arrivals pending
 
 
 def explore(protocol: Protocol, num_pages: int, stages: int, consumers: int, max_states: int = 2_000_000) -> Exploration:
@@ -401,12 +565,13 @@ def explore(protocol: Protocol, num_pages: int, stages: int, consumers: int, max
     start = machine.initial()
     seen = {start}
     stack = [start]
-    finals = stale = errors = uninit = deadlocks = 0
+    finals = stale = errors = uninit = deadlocks = unmatched = 0
     while stack:
         state = stack.pop()
-        stale += state.flags[0]
-        errors += state.flags[1]
-        uninit += state.flags[2]
+        stale += state.flags[STALE]
+        errors += state.flags[BARRIER_ERROR]
+        uninit += state.flags[UNINITIALIZED]
+        unmatched += state.flags[UNMATCHED]
         options = machine.enabled(state)
         if not options:
             if machine.live(state):
@@ -421,7 +586,7 @@ def explore(protocol: Protocol, num_pages: int, stages: int, consumers: int, max
                     raise RuntimeError(f"more than {max_states} states: use fewer pages or consumers")
                 seen.add(nxt)
                 stack.append(nxt)
-    return Exploration(len(seen), finals, stale, errors, uninit, deadlocks)
+    return Exploration(len(seen), finals, stale, errors, uninit, deadlocks, unmatched)
 
 
 def shortest_failing_schedule(protocol: Protocol, num_pages: int = 3, stages: int = 2, consumers: int = 1):
@@ -432,7 +597,7 @@ def shortest_failing_schedule(protocol: Protocol, num_pages: int = 3, stages: in
     queue = deque([start])
     while queue:
         state = queue.popleft()
-        if state.flags[0]:
+        if state.flags[STALE]:
             schedule = []
             while parent[state] is not None:
                 state, who = parent[state]
