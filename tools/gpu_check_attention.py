@@ -418,11 +418,11 @@ def write_report(results, folder: Path, stem: str, command: str):
         "- kernels: kernels/paged_attention.cu (decode: 1 producer + 4 consumer warps, 8 stages, then a combine kernel; prefill: mma.sync), "
         "kernels/paged_attention_broken.cu",
         "",
-        "## Byte floor",
-        "",
     ]
-    if bw:
+    if bw:  # --quick measures no bandwidth: no section
         lines += [
+            "## Byte floor",
+            "",
             f"Device-to-device copy of {bw['bytes_moved'] / 2**30:.0f} GiB (read + write counted): "
             f"{bw['ms']:.3f} ms, **{bw['tb_per_s']:.2f} TB/s**. The floor of one decode attention call is "
             "the layer's K and V bytes (seq_len x 2 x KVH x D x 2 B = 2 KiB per position at the 7B's shape) "
