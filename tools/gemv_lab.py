@@ -156,23 +156,9 @@ def time_lab(cp, module, problem, kernel, slices, splits):
     return timed(cp, launch, problem.copies), error, function.num_regs
 
 
-def time_engine_split(cp, module, problem, kernel, num_sms, warps_per_sm):
-    n = problem.n
-    splits = gemv_splits(n, problem.k, num_sms, warps_per_sm=warps_per_sm)
-    function = module.get_function(kernel)
-    out = cp.full((splits, n), np.nan, dtype=cp.float32)
-    bias = NULL if problem.bias is None else problem.bias
-
-    def launch(i):
-        function((-(-n // TILE_ROWS) * splits,), (GEMV_THREADS,), (problem.qweights[i], problem.scales[i], bias,
-                                                                   problem.x, out, np.int32(n), np.int32(splits)))
-    launch(0)
-    cp.cuda.Device().synchronize()
-    error = problem.error(out)
-    return timed(cp, launch, problem.copies), error, splits, function.num_regs
-
-
-def time_engine(cp, module, problem, kernel, num_sms):
+def time_engine(cp, module, problem, kernel, num_sms, warps_per_sm=None):
+    """An engine-shaped kernel (16-row tiles, one warp per block) at the engine's launch geometry,
+    or with the split-K target `warps_per_sm` instead of the engine's."""
     function = module.get_function(kernel)
     n = problem.n
     if problem.fused:
@@ -183,7 +169,7 @@ def time_engine(cp, module, problem, kernel, num_sms):
             function(grid, block, (problem.qweights[i], problem.scales[i], problem.x, out))
         splits = 1
     else:
-        splits = gemv_splits(n, problem.k, num_sms)
+        splits = gemv_splits(n, problem.k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
         out = cp.full((splits, n), np.nan, dtype=cp.float32)
         bias = NULL if problem.bias is None else problem.bias
 
@@ -242,10 +228,7 @@ def main(argv=None) -> None:
             for warps_per_sm in (12, 20) if shape != "gate_up" else (None,):
                 problem = problems[shape]
                 function = LITE_KERNELS[shape]
-                if warps_per_sm is None:
-                    seconds, error, splits, regs = time_engine(cp, module, problem, function, num_sms)
-                else:
-                    seconds, error, splits, regs = time_engine_split(cp, module, problem, function, num_sms, warps_per_sm)
+                seconds, error, splits, regs = time_engine(cp, module, problem, function, num_sms, warps_per_sm)
                 rows.append(dict(shape=shape, variant=f"{'lite' if lite_unpack else 'two-acc'} ring {stages}",
                                  geometry=f"split {splits}", regs=regs, us=seconds * 1e6, error=error,
                                  bytes=problem.weight_bytes))
