@@ -242,8 +242,9 @@ gemv_int4_from_intermediate(const unsigned int* __restrict__ qweight, const unsi
 // qweight/scales hold gate's rows then up's rows ([2 I, H/8] and [2 I, H/128]); each warp takes
 // the same 16 rows of both, over the whole input (silu needs the finished sum: no split).
 // A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
-// diagonal holding 8 groups) was not faster when timed against this one in the same run on an
-// H200 (29.2 vs 28.0 us; tools/gemv_lab.py --ab, results/gemv-lab-h200.md).
+// diagonal holding 8 groups) timed within a microsecond of this one in isolation, either way
+// round over three A/B runs on an H200, and made the whole decode step under programmatic
+// dependent launch 0.2 ms slower (tools/gemv_lab.py --ab, results/gemv-lab-h200.md).
 // grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
