@@ -122,3 +122,9 @@ class NumpyBackend:
     def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
         """argmax of `decode`; non-finite logits raise FloatingPointError, as `sample` does."""
         return sample(self.decode(token_id, position, page_table), GREEDY, rng=None)
+
+    def greedy_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int):
+        """The next `steps` greedy tokens, one `decode_greedy` call each."""
+        for k in range(steps):
+            token_id = self.decode_greedy(token_id, position + k, page_table)
+            yield token_id

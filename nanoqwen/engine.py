@@ -68,19 +68,9 @@ class Backend(Protocol):
     def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
         """argmax of `decode`, without bringing the logits to the host."""
 
-    # Optional: greedy_tokens(token_id, position, page_table, steps) -> Iterator[int], the next
-    # `steps` greedy tokens, each fed back; a backend may compute one step ahead of its consumer
-    # (see CudaBackend.greedy_tokens). Without it the engine calls decode_greedy step by step.
-
-
-def greedy_tokens(backend: Backend, token_id: int, position: int, page_table: np.ndarray, steps: int):
-    """The backend's greedy_tokens if it has one, else decode_greedy one step at a time."""
-    if hasattr(backend, "greedy_tokens"):
-        yield from backend.greedy_tokens(token_id, position, page_table, steps)
-        return
-    for k in range(steps):
-        token_id = backend.decode_greedy(token_id, position + k, page_table)
-        yield token_id
+    def greedy_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int) -> Iterator[int]:
+        """The next `steps` greedy tokens after `token_id` at `position`, each fed back in turn.
+        A backend may compute one step ahead of its consumer (CudaBackend.greedy_tokens)."""
 
 
 class BackendUnavailableError(RuntimeError):
@@ -322,7 +312,7 @@ class Engine:
             token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, rng)
             timings[0] = time.perf_counter() - start
             if sampling.greedy:
-                upcoming = greedy_tokens(backend, token, prompt_len, page_table, request.max_new_tokens - 1)
+                upcoming = backend.greedy_tokens(token, prompt_len, page_table, request.max_new_tokens - 1)
             for step in range(request.max_new_tokens):
                 if token in request.stop_ids:
                     finish_reason = "stop"
