@@ -44,7 +44,9 @@ constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread even
 #ifndef NQ_GEMV_STAGES
 #define NQ_GEMV_STAGES 8  // tools/bench_kernels.py --sweep compiles other depths to compare
 #endif
-constexpr int GEMV_STAGES = NQ_GEMV_STAGES;  // groups in the shared-memory ring: 1 KB per stage and tile
+// Groups in the shared-memory ring: 1 KB of weights per stage and tile, and 256 bytes of x.
+constexpr int GEMV_STAGES = NQ_GEMV_STAGES;
+constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 
 // lop3 with truth table 0xEA computes (a & b) | c.
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
@@ -59,10 +61,28 @@ __device__ __forceinline__ unsigned int sub_half2(unsigned int a, unsigned int b
   return d;
 }
 
+__device__ __forceinline__ unsigned int fma_half2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // One packed word -> four fp16 pairs (q[2i], q[2i+1]) with q = nibble - 8 in [-8, 7].
+// Pair i sits in nibble i of each 16-bit half. Nibbles 0 and 2 (after one shift by 8) become
+// 1024 + n as above; nibbles 1 and 3 are masked where they stand, giving 1024 + 16 n, which one
+// fp16x2 fma scales back: (1024 + 16 n) / 16 - 72 = n - 8, exact (every step is an integer
+// below 2048). One shift per word instead of three: the shifts and the lop3s share the SM's
+// integer pipe, which runs at half the rate of the fp16 one.
 __device__ __forceinline__ void unpack_int4_word(unsigned int word, unsigned int (&pairs)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = sub_half2(and_or(word >> (4 * i), 0x000F000Fu, 0x64006400u), 0x64086408u);
+  constexpr unsigned int MAGIC = 0x64006400u;          // fp16 1024 in both halves
+  constexpr unsigned int MINUS_1032 = 0x64086408u;     // subtracted: 1024 + n - 1032
+  constexpr unsigned int ONE_SIXTEENTH = 0x2C002C00u;  // fp16 0.0625
+  constexpr unsigned int MINUS_72 = 0xD480D480u;       // fp16 -72
+  const unsigned int high = word >> 8;
+  pairs[0] = sub_half2(and_or(word, 0x000F000Fu, MAGIC), MINUS_1032);
+  pairs[1] = fma_half2(and_or(word, 0x00F000F0u, MAGIC), ONE_SIXTEENTH, MINUS_72);
+  pairs[2] = sub_half2(and_or(high, 0x000F000Fu, MAGIC), MINUS_1032);
+  pairs[3] = fma_half2(and_or(high, 0x00F000F0u, MAGIC), ONE_SIXTEENTH, MINUS_72);
 }
 
 // d = A B + d for a 16x16 fp16 A (rows g, g+8), a 16x8 fp16 B, fp32 accumulators.
@@ -93,23 +113,26 @@ __device__ __forceinline__ void copy_async_wait() {
 // dot products of rows rows[tile][0] (= row g) and rows[tile][1] (= row g + 8) with x over the
 // groups [group_begin, group_end).
 //
-// Keeping the memory busy: the weights of a group travel by cp.async into a ring of STAGES
-// slots in shared memory, STAGES - 1 groups ahead of the one being multiplied, so the warp's
-// loads stay in flight while its tensor cores work. Each lane copies exactly the 16-byte
-// pieces it later reads itself, so the lane's own wait_group is the only synchronisation
-// needed. The scales, two bytes per row and group, are too small for cp.async; they are
-// loaded into a register ring the same STAGES - 1 groups ahead, which is why the loop is
-// unrolled by STAGES (register arrays need compile-time indices).
+// Everything a group needs comes from shared memory, so that the warp's chain per group is
+// shared loads, unpacking and MMAs, never a wait on global memory:
+// - the weights of a group travel by cp.async into a ring of STAGES slots, STAGES - 1 groups
+//   ahead of the one being multiplied; each lane copies exactly the 16-byte pieces it later
+//   reads itself;
+// - x of the same group travels with them (lanes 0-15 copy its 256 bytes); every lane reads
+//   its 64 bytes of it, so the lanes meet at __syncwarp between copy and use;
+// - the scales, two bytes per row and group, are too small for cp.async: they are loaded as raw
+//   fp16 into a register ring the same STAGES - 1 groups ahead and converted where they are used
+//   (a conversion at the load would stall the warp on it), and the prologue asks L1 to fetch
+//   every 128-byte line of scales the warp will need, so those loads hit.
+// The loop is unrolled by STAGES because register arrays need compile-time indices.
 //
-// What the H200 said (results/kernels-h200.md): this ring, a first version that loaded a
-// batch of groups into registers and then computed, and a variant with the weights re-tiled
-// at upload so that every warp read one contiguous stream, all moved gate+up and down at
-// 1.8-2.4 TB/s, 45-60% of a device copy, while the fp16 lm_head streams at 99%. Neither the
-// access pattern nor the ring depth (4, 8, 12) is the limit; the split-K factor, that is the
-// number of warps per SM, matters more (a target of 8 -> 12 warps per SM took down_proj from
-// 20.5 to 18.3 us), and gate+up, which does not split, has only 9. Each warp works through a
-// long dependent chain per group (shared load, unpack, eight MMAs chained on one
-// accumulator); the measurements file lists the next steps.
+// What the H200 said (results/gemv-lab-h200.md, "session 4"): with x loaded from global memory
+// at the top of every group and each scale converted as it was loaded, a warp spent ~1300 cycles
+// per group even with no weights loaded at all, and gate+up took 27.6 us. With x and the scales'
+// lines staged as above and the two-mask unpack, an isolated gate+up takes 23.6 us with a 4-deep
+// ring and 25.4 us with an 8-deep one; the engine keeps 8, because inside the decode graph the
+// deeper ring is filled before wait_for_previous_kernel(), while the kernel in front is still
+// running: the whole step took 2.07 ms with 8 stages and 2.21 ms with 4.
 // One warp per block: the ring is the block's shared memory.
 template <int K, int TILES, int STAGES>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
@@ -118,50 +141,71 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
                                               int group_begin, int group_end, float (&acc)[TILES][2]) {
   constexpr int WORDS_PER_ROW = K / 8;
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  __shared__ uint4 ring[STAGES][TILES][2][WARP_SIZE];
+  __shared__ uint4 weight_ring[STAGES][TILES][2][WARP_SIZE];
+  __shared__ uint4 x_ring[STAGES][X_PIECES_PER_GROUP];
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
-  float scale_ring[STAGES][TILES][2];
+  unsigned short scale_ring[STAGES][TILES][2];
 
-  // Start the copy of group number `i` (0-based within the range) into ring slot SLOT.
-#define NQ_FETCH_GROUP(i, SLOT)                                                                           \
-  do {                                                                                                    \
-    const int group = group_begin + (i);                                                                  \
-    _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                          \
-      _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                     \
-        const long long row = rows[tile][r];                                                              \
-        copy_async_16B(&ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
-        scale_ring[SLOT][tile][r] = half_to_float(__ldg(scales + row * GROUPS + group));                  \
-      }                                                                                                   \
-    }                                                                                                     \
+  // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
+  // weights always, x only once the previous kernel has written it (WITH_X).
+#define NQ_FETCH_GROUP(i, SLOT, WITH_X)                                                                  \
+  do {                                                                                                   \
+    const int group = group_begin + (i);                                                                 \
+    _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                         \
+      _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                    \
+        const long long row = rows[tile][r];                                                             \
+        copy_async_16B(&weight_ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
+        scale_ring[SLOT][tile][r] = __ldg(scales + row * GROUPS + group);                                \
+      }                                                                                                  \
+    }                                                                                                    \
+    if ((WITH_X) && lane < X_PIECES_PER_GROUP)                                                           \
+      copy_async_16B(&x_ring[SLOT][lane], x + group * NQ_GROUP_SIZE + 8 * lane);                          \
   } while (0)
 
+  // The scales of the range: lane (g, t) warms the L1 lines of row g's (t = 0, 1) or row
+  // g + 8's (t = 2, 3) scales, every other 128-byte line each.
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+    const unsigned short* first = scales + (long long)rows[tile][t / 2] * GROUPS + group_begin;
+    const unsigned short* last = first + max(count, 1) - 1;
+    for (const char* line = reinterpret_cast<const char*>((unsigned long long)first & ~127ull) + 128 * (t % 2);
+         line <= reinterpret_cast<const char*>(last); line += 256)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+  }
 #pragma unroll
   for (int u = 0; u < STAGES - 1; ++u) {
-    if (u < count) NQ_FETCH_GROUP(u, u);
+    if (u < count) NQ_FETCH_GROUP(u, u, false);
     copy_async_commit();  // possibly empty: the group count must not depend on the data
   }
   wait_for_previous_kernel();  // the weights above are no kernel's output; x is the previous one's
+#pragma unroll
+  for (int u = 0; u < STAGES - 1; ++u)
+    if (u < count && lane < X_PIECES_PER_GROUP)
+      copy_async_16B(&x_ring[u][lane], x + (group_begin + u) * NQ_GROUP_SIZE + 8 * lane);
+  copy_async_commit();
+  copy_async_wait<0>();  // the prologue's groups and their x
   for (int first = 0; first < count; first += STAGES) {
 #pragma unroll
     for (int u = 0; u < STAGES; ++u) {
       const int i = first + u;
+      __syncwarp();  // every lane is done with the slot refilled next (x is read by all lanes)
       // Refill the slot that iteration i - 1 finished with, STAGES - 1 groups ahead.
-      if (i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES);
+      if (i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES, true);
       copy_async_commit();
-      copy_async_wait<STAGES - 1>();  // group i has landed in slot u
+      copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
+      __syncwarp();                   // and so have every other lane's (x)
       if (i < count) {  // the same for the whole warp
-        const unsigned short* xg = x + (group_begin + i) * NQ_GROUP_SIZE + 32 * t;
         uint4 xv[4];  // this lane's 32 activations, 8 per word of the weights
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = load_activations_16B(xg + 8 * j);
+        for (int j = 0; j < 4; ++j) xv[j] = x_ring[u][4 * t + j];
         const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
                                        {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
                                        {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
                                        {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
-          const uint4 w0 = ring[u][tile][0][lane], w1 = ring[u][tile][1][lane];
+          const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
           const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -173,8 +217,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
             mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
           }
           // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
-          acc[tile][0] = fmaf(scale_ring[u][tile][0], d[0], acc[tile][0]);
-          acc[tile][1] = fmaf(scale_ring[u][tile][1], d[2], acc[tile][1]);
+          acc[tile][0] = fmaf(half_to_float(scale_ring[u][tile][0]), d[0], acc[tile][0]);
+          acc[tile][1] = fmaf(half_to_float(scale_ring[u][tile][1]), d[2], acc[tile][1]);
         }
       }
     }
@@ -216,26 +260,17 @@ __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restric
 
 // One kernel per input width, so that K is a compile-time constant in each.
 // grid (ceil(ceil(n_rows / 16) * splits / warps per block)), block (GEMV_THREADS)
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
-gemv_int4_from_hidden(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                      const unsigned short* __restrict__ bias, const unsigned short* x,
-                      float* __restrict__ partials, int n_rows, int splits) {
-  gemv_int4_partials<NQ_HIDDEN>(qweight, scales, bias, x, partials, n_rows, splits);
-}
+#define NQ_GEMV_INT4_KERNEL(NAME, K)                                                                       \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)                                           \
+      NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
+           const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ partials, \
+           int n_rows, int splits) {                                                                       \
+    gemv_int4_partials<K>(qweight, scales, bias, x, partials, n_rows, splits);                             \
+  }
 
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
-gemv_int4_from_q_dim(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                     const unsigned short* __restrict__ bias, const unsigned short* x,
-                     float* __restrict__ partials, int n_rows, int splits) {
-  gemv_int4_partials<NQ_Q_DIM>(qweight, scales, bias, x, partials, n_rows, splits);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)
-gemv_int4_from_intermediate(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                            const unsigned short* __restrict__ bias, const unsigned short* x,
-                            float* __restrict__ partials, int n_rows, int splits) {
-  gemv_int4_partials<NQ_INTERMEDIATE>(qweight, scales, bias, x, partials, n_rows, splits);
-}
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).

@@ -303,11 +303,14 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 // grid is sized for the longest sequence and blocks beyond the work exit at once.
 // A sequence of one block's pages is finished here; otherwise each block leaves its share in
 // partial_* ([num_kv_heads, splits, GQA, ...]) for paged_attention_combine.
+// What earlier kernels of the step write (q, the new K/V, the partials, seq_len) comes through
+// pointers without __restrict__, so it is read with coherent loads that stay below the wait
+// (kernels/common.cuh, programmatic dependent launch).
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 2)
-PA_DECODE_KERNEL(const float* __restrict__ q,                 // [num_heads * D] fp32, RoPE'd
-                 const unsigned short* __restrict__ kv,       // one layer's pool, fp16
+PA_DECODE_KERNEL(const float* q,                              // [num_heads * D] fp32, RoPE'd
+                 const unsigned short* kv,                    // one layer's pool, fp16
                  const int* __restrict__ page_table,          // [max_pages_per_seq]
-                 const int* __restrict__ seq_len_ptr,         // [1] positions to attend to
+                 const int* seq_len_ptr,                      // [1] positions to attend to
                  unsigned short* __restrict__ out,            // [num_heads * D] fp16
                  float* __restrict__ partial_max_sum,         // [KVH, splits, GQA, 2]
                  float* __restrict__ partial_acc) {           // [KVH, splits, GQA, D]
@@ -424,8 +427,8 @@ __device__ int paged_attention_combine_max_splits = COMBINE_MAX_SPLITS;
 // Launched right after the decode kernel with the same seq_len; nothing to do if one split
 // held the whole sequence.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-paged_attention_combine(const int* __restrict__ seq_len_ptr, const float* __restrict__ partial_max_sum,
-                        const float* __restrict__ partial_acc, int splits, unsigned short* __restrict__ out) {
+paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
+                        const float* partial_acc, int splits, unsigned short* __restrict__ out) {
   __shared__ float weight[COMBINE_MAX_SPLITS];
   __shared__ float reduce[COMBINE_GROUPS];
   __shared__ float4 group_sum[COMBINE_GROUPS][WARP_SIZE];
@@ -542,8 +545,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 // accumulated in fp32. q is fp32; it goes in as two fp16 terms, q = hi + lo, so the scores
 // carry q's full precision (error ~2^-22 relative instead of fp16's 2^-11).
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
-paged_attention_prefill(const float* __restrict__ q,            // [T, num_heads * D] fp32, RoPE'd
-                        const unsigned short* __restrict__ kv,  // one layer's pool, fp16
+paged_attention_prefill(const float* q,                         // [T, num_heads * D] fp32, RoPE'd
+                        const unsigned short* kv,               // one layer's pool, fp16
                         const int* __restrict__ page_table,
                         int start_pos, int num_tokens,
                         unsigned short* __restrict__ out) {     // [T, num_heads * D] fp16

@@ -104,6 +104,14 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT))
 
 
+def greedy_token_of(head: np.ndarray) -> int:
+    """The token in the head of the decode state (token, position, seq_len, status), or
+    FloatingPointError when the device's greedy argmax flagged the logits, as numpy's does."""
+    if head[STATE_STATUS]:
+        raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, or only -inf)")
+    return int(head[STATE_TOKEN])
+
+
 def gate_up_launch(intermediate_size: int) -> tuple[tuple[int], tuple[int]]:
     """(grid, block) of gemv_int4_gate_up_silu: one warp per 16-row tile of gate and of up."""
     return (-(-intermediate_size // TILE_ROWS),), (GEMV_THREADS,)
@@ -455,10 +463,7 @@ class CudaBackend:
         """The argmax of `decode`, computed on the device: 16 bytes come back (the token and the
         status word). Non-finite logits raise FloatingPointError, as numpy's greedy choice does."""
         self._step(token_id, position, page_table)
-        head = self.state[: STATE_STATUS + 1].get(stream=self.stream)
-        if head[STATE_STATUS]:
-            raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, or only -inf)")
-        token = int(head[STATE_TOKEN])
+        token = greedy_token_of(self.state[: STATE_STATUS + 1].get(stream=self.stream))
         self._device_holds = (token, position + 1, self._pending)
         return token
 
@@ -498,11 +503,7 @@ class CudaBackend:
                     graph.launch()  # step k + 1 reads the token step k chose, on the device
                     copy_head((k + 1) % 2)
                 ready[k % 2].synchronize()
-                head = heads[k % 2].copy()
-                if head[STATE_STATUS]:
-                    raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, "
-                                             "or only -inf)")
-                yield int(head[STATE_TOKEN])
+                yield greedy_token_of(heads[k % 2])
         finally:
             self._device_holds = None  # a step may have run ahead: the next request uploads
 

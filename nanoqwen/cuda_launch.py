@@ -28,8 +28,8 @@ ld.global.nc: that path promises the data does not change while the kernel runs,
 PDL it does (the kernel before writes it after this one has started). ptxas relies on the
 promise and moves ld.global.nc across griddepcontrol.wait: in the sm_90a code of nvcc 13.0,
 disassembled with cuobjdump -sass (the wait is ACQBULK, launch_dependents PREEXIT),
-paged_attention_decode loads `*seq_len_ptr` above the wait, and a variant of gemv_int4_int8
-issued its activation loads above it. Weights, which no kernel writes, keep the read-only path
+paged_attention_decode loaded `*seq_len_ptr` above the wait while that pointer was
+`__restrict__`, and a variant of gemv_int4_int8 issued its activation loads above it. Weights, which no kernel writes, keep the read-only path
 and may be loaded before the wait.
 """
 
@@ -48,7 +48,6 @@ import numpy as np
 # early: a kernel without the wait, launched with the attribute, could read its inputs before
 # the kernel writing them has finished. One launched plainly simply waits for its predecessor
 # to complete, which is always correct. tests/test_pdl.py checks this set against kernels/.
-# The INT4 GEMVs of gemv_int4.cu join once that file waits.
 KERNELS_THAT_WAIT = frozenset({
     "embed_tokens", "add_rmsnorm", "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
     "gemv_int4_from_hidden", "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
