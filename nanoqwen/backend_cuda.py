@@ -39,6 +39,7 @@ import numpy as np
 from . import cuda_build, ops_numpy
 from .config import PAGE_SIZE
 from .cuda_launch import StepKernel
+from .engine import PREFILL_WEIGHTS
 from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
 
@@ -56,6 +57,9 @@ MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 g
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
 ACTIVATIONS = ("fp16", "int8")
+# "auto" keeps fp16 copies of the projections for prefill when this much device memory stays free
+# after them (prefill's activations for a PREFILL_CHUNK of the 7B take ~0.3 GB).
+PREFILL_CACHE_HEADROOM_BYTES = 2 * 2**30
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
@@ -71,6 +75,7 @@ class DeviceLinear:
     out_features: int
     in_features: int
     splits: int
+    dense: object | None = None  # cupy float16 [out, in]: the dequantized matrix, when prefill keeps it
 
 
 @dataclass
@@ -142,7 +147,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
-                 activations: str = "fp16", pdl: bool = True):
+                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto"):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
@@ -155,6 +160,14 @@ class CudaBackend:
         (nanoqwen.cuda_launch), so each kernel may start while the one before it finishes; it
         changes nothing in eager launches, and falls back to plain launches, with a warning, where
         cuda.bindings is missing (`decode_graph().pdl` says which ran).
+
+        Prefill multiplies whole prompts with cuBLAS from fp16 matrices. `prefill_weights` says
+        where they come from: "expand" dequantizes each projection into one scratch buffer every
+        time a prompt needs it (memory: the largest projection); "cache" dequantizes all of them
+        once, here, and keeps them (2 bytes per weight: 14 GB for the 7B), which takes the
+        dequantization, about a fifth of a 512-token prefill, out of every prompt; "auto" (the
+        default) caches when the device keeps PREFILL_CACHE_HEADROOM_BYTES free after it.
+        `self.prefill_weights` says which was chosen.
         """
         import cupy as cp
 
@@ -170,6 +183,8 @@ class CudaBackend:
             )
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        if prefill_weights not in PREFILL_WEIGHTS:
+            raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r}")
         self._cp = cp
         self.activations = activations
         self.model = model
@@ -206,6 +221,7 @@ class CudaBackend:
             self.int8_layers = [self._int8_projections(layer) for layer in self.layers] if activations == "int8" else None
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
+        self.prefill_weights = self._keep_dense_weights(prefill_weights)
         self.use_graph = use_graph
         self._pdl = bool(pdl)
         self._graph = None  # captured at the first graph decode
@@ -246,6 +262,25 @@ class CudaBackend:
             gate_up=self._upload_linear([w.gate, w.up]),
             down=self._upload_linear([w.down]),
         )
+
+    def _linears(self):
+        for layer in self.layers:
+            yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+    def _keep_dense_weights(self, policy: str) -> str:
+        """Apply the prefill_weights policy; returns "cache" or "expand", what prefill will do."""
+        cp = self._cp
+        dense_bytes = sum(2 * lin.out_features * lin.in_features for lin in self._linears())
+        if policy == "auto":
+            free, _ = cp.cuda.runtime.memGetInfo()
+            free += cp.get_default_memory_pool().free_bytes()
+            policy = "cache" if free >= dense_bytes + PREFILL_CACHE_HEADROOM_BYTES else "expand"
+        if policy == "cache":
+            with self.stream:
+                for linear in self._linears():
+                    linear.dense = cp.empty((linear.out_features, linear.in_features), dtype=cp.float16)
+                    self._dequantize_into(linear, linear.dense)
+        return policy
 
     def _int8_projections(self, layer: DeviceLayer) -> dict:
         """Path A launchers for one layer's four projections, over the same device weights."""
@@ -531,7 +566,10 @@ class CudaBackend:
         )
 
     def _expand(self, linear: DeviceLinear):
-        """linear's weights as fp16 [out, in] in the shared scratch buffer."""
+        """linear's weights as fp16 [out, in]: its kept copy, or an expansion into the shared
+        scratch buffer."""
+        if linear.dense is not None:
+            return linear.dense
         cp = self._cp
         size = linear.out_features * linear.in_features
         if self._weight_scratch is None:
@@ -539,13 +577,15 @@ class CudaBackend:
                           (self.layers[0].qkv, self.layers[0].o, self.layers[0].gate_up, self.layers[0].down))
             self._weight_scratch = cp.empty(largest, dtype=cp.float16)
         dense = self._weight_scratch[:size].reshape(linear.out_features, linear.in_features)
-        words = size // 8
-        blocks = self._elementwise_blocks(words)
+        self._dequantize_into(linear, dense)
+        return dense
+
+    def _dequantize_into(self, linear: DeviceLinear, dense) -> None:
+        words = linear.out_features * linear.in_features // 8
         self.kernels["dequantize_int4_to_half"](
-            (blocks,), (ELEMENTWISE_THREADS,),
+            (self._elementwise_blocks(words),), (ELEMENTWISE_THREADS,),
             (linear.qweight, linear.scales, dense, np.int32(linear.out_features), np.int32(linear.in_features)),
         )
-        return dense
 
     def _prefill_chunk(self, token_ids: np.ndarray, start_pos: int, last: bool) -> None:
         cp, c, k = self._cp, self.config, self.kernels

@@ -156,7 +156,8 @@ def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_R
 
 
 def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
-              baseline: bool = False, seed: int = 0, activations: str = "fp16", command: str | None = None) -> dict:
+              baseline: bool = False, seed: int = 0, activations: str = "fp16", command: str | None = None,
+              prefill_weights: str = "auto") -> dict:
     """Measure `model_path` on the GPU (see the module docstring); returns the report dict."""
     from .engine import BackendUnavailableError, Engine, cuda_available
     from .kvcache import pages_needed
@@ -188,7 +189,9 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, prompt_tokens).tolist()
     engine = None
     try:
-        engine = Engine(model, backend="cuda", max_context=context, activations=activations)
+        engine = Engine(model, backend="cuda", max_context=context, activations=activations,
+                        prefill_weights=prefill_weights)
+        report["protocol"]["prefill_weights"] = engine.backend.prefill_weights
         report["end_to_end"] = _end_to_end(engine, ids, new_tokens, repeats)
         report["step"], report["timeline"] = _step_costs(engine, ids, pages_needed(prompt_tokens + TIMING_STEPS + 1))
     finally:
@@ -275,7 +278,8 @@ def format_report(report: dict) -> str:
         "",
         "| metric | value |",
         "| --- | ---: |",
-        f"| time to first token | {e['time_to_first_token_ms']:.2f} ms |",
+        f"| time to first token | {e['time_to_first_token_ms']:.2f} ms "
+        f"(prefill weights: {report['protocol'].get('prefill_weights', 'expand')}) |",
         f"| decode | {e['decode_ms_per_token']:.3f} ms/token ({e['decode_tokens_per_s']:.1f} tokens/s) |",
         f"| byte floor per token | {e['byte_floor_total'] / 1e9:.3f} GB -> {e['floor_ms_at_read_bandwidth']:.3f} ms at 4.49 TB/s |",
         f"| achieved | {e['achieved_GB_per_s']:.0f} GB/s, {100 * e['share_of_floor']:.1f}% of the floor |",
@@ -311,6 +315,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", action="store_true", help="also time transformers on the same shapes (needs torch)")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16", help="decode projections' input precision")
+    p.add_argument("--prefill-weights", choices=("auto", "cache", "expand"), default="auto",
+                   help="prefill's fp16 matrices: kept (cache), dequantized per prompt (expand), or kept if they fit (auto)")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
 
 
@@ -320,7 +326,8 @@ def main(args: argparse.Namespace) -> int:
         print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1", file=sys.stderr)
         return 2
     report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed,
-                       args.activations, command=" ".join(["nanoqwen"] + sys.argv[1:]))
+                       args.activations, command=" ".join(["nanoqwen"] + sys.argv[1:]),
+                       prefill_weights=args.prefill_weights)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

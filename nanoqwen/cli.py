@@ -149,6 +149,9 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default) takes CUDA when CuPy sees a GPU")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
                    help="decode projections' input precision on the CUDA backend (chapter 7)")
+    p.add_argument("--prefill-weights", choices=("auto", "cache", "expand"), default="auto",
+                   help="CUDA backend: keep fp16 copies of the projections for prefill (cache, 2 bytes per weight), "
+                        "dequantize them per prompt (expand), or cache when the GPU has room (auto, the default)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="KV cache capacity in tokens (default: the model's, at most 4096)")
 
@@ -179,7 +182,7 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     return Engine(_model_path(args.model), backend=args.backend, max_context=args.max_context,
-                  activations=args.activations)
+                  activations=args.activations, prefill_weights=args.prefill_weights)
 
 
 def _sampling(args: argparse.Namespace) -> dict:

@@ -46,6 +46,7 @@ __all__ = [
 DEFAULT_MAX_CONTEXT = 4096  # tokens; the 7B allows 32768, but its KV cache would be 1.8 GB
 DEFAULT_MAX_NEW_TOKENS = 256
 BACKENDS = ("auto", "numpy", "cuda")
+PREFILL_WEIGHTS = ("auto", "cache", "expand")  # the CUDA backend's fp16 matrices for prefill (backend_cuda)
 
 
 class Backend(Protocol):
@@ -179,9 +180,12 @@ def cuda_available() -> bool:
     return cuda_unavailable_reason() is None
 
 
-def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16") -> Backend:
+def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16",
+                 prefill_weights: str = "auto") -> Backend:
     if activations not in ("fp16", "int8"):
         raise ValueError(f"activations must be 'fp16' or 'int8', got {activations!r}")
+    if prefill_weights not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r}")
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     if name == "auto":
@@ -191,29 +195,31 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
 
         if activations != "fp16":
             raise BackendUnavailableError("INT8 activations (chapter 7's Path A) exist on the CUDA backend only")
+        if prefill_weights == "cache":
+            raise BackendUnavailableError("prefill_weights='cache' (fp16 copies for cuBLAS) exists on the CUDA backend only")
         return NumpyBackend(model, num_pages)
     reason = cuda_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"backend 'cuda' cannot run here: {reason}; use --backend numpy to run on the CPU")
     from .backend_cuda import CudaBackend
 
-    return CudaBackend(model, num_pages, activations=activations)
+    return CudaBackend(model, num_pages, activations=activations, prefill_weights=prefill_weights)
 
 
 class Engine:
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,
-                 activations: str = "fp16"):
+                 activations: str = "fp16", prefill_weights: str = "auto"):
         self._owns_model = not isinstance(model_or_path, Model)
         self._closed = False
         self.backend = None
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
-            self._setup(backend, max_context, activations)
+            self._setup(backend, max_context, activations, prefill_weights)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, backend: str, max_context: int | None, activations: str) -> None:
+    def _setup(self, backend: str, max_context: int | None, activations: str, prefill_weights: str) -> None:
         self.config = self.model.config
         limit = self.config.max_position_embeddings
         if max_context is None:
@@ -224,7 +230,7 @@ class Engine:
         self.allocator = PageAllocator(pages_needed(self.max_context))
         # The tokenizer first: a corrupt blob should fail in milliseconds, not after a GPU upload.
         self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files, source=str(self.model.path))
-        self.backend = make_backend(backend, self.model, self.allocator.num_pages, activations)
+        self.backend = make_backend(backend, self.model, self.allocator.num_pages, activations, prefill_weights)
 
     def __repr__(self) -> str:
         if self._closed:

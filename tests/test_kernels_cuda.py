@@ -445,6 +445,24 @@ def test_backend_matches_numpy_backend(tiny_model, attention):
     np.testing.assert_allclose(cached[written], expected_cache[written], rtol=2e-2, atol=2e-2)
 
 
+def test_prefill_from_kept_weights_equals_prefill_from_expanded_ones(tiny_model):
+    """prefill_weights="cache" dequantizes every projection once at start; "expand" does it per
+    prompt into one scratch buffer. Same kernel, same GEMMs: the logits and K/V must be identical."""
+    c = tiny_model.config
+    rng = np.random.default_rng(4)
+    page_table = rng.permutation(8)[:4].astype(np.int32)
+    prompt = rng.integers(0, c.vocab_size, 37)
+    results = {}
+    for policy in ("cache", "expand"):
+        gpu = CudaBackend(tiny_model, 8, prefill_weights=policy)
+        assert gpu.prefill_weights == policy
+        assert all((lin.dense is not None) == (policy == "cache") for lin in gpu._linears())
+        results[policy] = (gpu.prefill(prompt, 0, page_table), gpu.kv_pool.get())
+    np.testing.assert_array_equal(results["cache"][0], results["expand"][0])
+    np.testing.assert_array_equal(results["cache"][1], results["expand"][1])
+    assert CudaBackend(tiny_model, 8).prefill_weights == "cache", "a tiny model always fits: auto keeps the copies"
+
+
 def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):
     c = tiny_model.config
     rng = np.random.default_rng(2)

@@ -186,6 +186,14 @@ def test_pre_hopper_gpu_falls_back_to_numpy_and_cuda_says_why(model, monkeypatch
         Engine(model, backend="cuda")
 
 
+def test_prefill_weights_policy_is_checked(model):
+    with pytest.raises(ValueError, match="prefill_weights must be one of auto, cache, expand, got 'fp16'"):
+        Engine(model, backend="numpy", prefill_weights="fp16")
+    with pytest.raises(BackendUnavailableError, match="CUDA backend only"):
+        Engine(model, backend="numpy", prefill_weights="cache")
+    assert Engine(model, backend="numpy", prefill_weights="expand").backend.name == "numpy"
+
+
 def test_hopper_gpu_counts_as_available(monkeypatch):
     for capability in ("90", "100"):
         fake_cupy(monkeypatch, capability)
