@@ -51,8 +51,10 @@ LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
 # Split K so that each SM gets about this many GEMV warps (each keeps 7 groups, 7 KB, of weights
-# in flight). Of 8, 12 and 20, 12 was fastest for down_proj on an H200 (results/kernels-h200.md).
-GEMV_WARPS_PER_SM = 12
+# in flight). Isolated, 12 was fastest for down_proj on an H200 (results/kernels-h200.md); in the
+# decode step, where each GEMV fills its rings while the kernel before it runs, 16 was: 2.030
+# ms/token against 2.074 (12), 2.147 (20) and 2.427 (8) (results/gemv-lab-h200.md, session 4).
+GEMV_WARPS_PER_SM = 16
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
