@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 for what the GPU chapters and issues measure, each step bounded so
 # that a failure costs its own time only. Logs and JSON go under $OUT.
-#   bash tools/gpu_session.sh checks   GPU tests, 7B bench (+ transformers baseline),
+#   bash tools/gpu_session.sh checks   GPU tests, 7B bench (+ transformers baseline, and again with
+#                                      prefill dequantizing per prompt),
 #                                      INT8 vs FP16 bench and tests, 7B vs transformers
 #   bash tools/gpu_session.sh book     graph tests, 7B bench for both activation paths,
 #                                      then every chapter under nbval (carry .whl: see book/running.md)
@@ -26,6 +27,8 @@ case "${1:-checks}" in
     step "GPU tests" 240 $PYTEST tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 150 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json" --baseline
+    step "bench 7B, prefill expanding" 60 python3 -m nanoqwen bench "$MODEL_7B" --prefill-weights expand \
+      --json "$OUT/bench-7b-expand.json"
     step "int8 vs fp16 bench" 70 python3 tools/bench_int8_vs_fp16.py --json "$OUT/int8_vs_fp16.json"
     step "int8 tests" 45 $PYTEST tests/test_int8_path.py
     step "7B vs transformers" 170 python3 tools/check_vs_transformers.py --model "$MODEL_7B" --steps 32 \
