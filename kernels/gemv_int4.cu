@@ -12,7 +12,8 @@
 //    that (word >> 4i) & 0x000F000F holds elements 2i and 2i+1 in its two 16-bit halves.
 //    OR-ing 0x64006400 makes each half the fp16 number 1024 + nibble (0x6400 is 1024, whose
 //    fp16 spacing is exactly 1), and one fp16x2 subtraction of 1032 leaves nibble - 8 exactly:
-//    one lop3 and one sub.f16x2 per pair, four pairs per 32-bit word.
+//    one lop3 and one fp16x2 operation per pair, four pairs and one shift per 32-bit word
+//    (unpack_int4_word).
 // 2. Multiply on the tensor cores. mma.m16n8k16 multiplies a 16x16 fp16 tile of W by a 16x8
 //    tile of x and accumulates in fp32. Every product (nibble - 8) * x is exact in fp16 input
 //    and fp32 accumulation, so this matches dequantize-then-fp32-dot up to summation order.
@@ -29,7 +30,7 @@
 //
 // Inside the decode graph each kernel starts while the previous one finishes (programmatic
 // dependent launch, common.cuh): the first groups of weights are requested before
-// wait_for_previous_kernel(), and x, which the previous kernel writes, is read after it.
+// wait_for_previous_kernel(), and x, which the previous kernel writes, is copied after it.
 //
 // Split K: a 16-row tile of a 3584-wide matrix is only 28 KB, and q/k/v/o have too few tiles to
 // give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, one
