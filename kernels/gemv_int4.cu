@@ -280,7 +280,7 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
 // A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
 // diagonal holding 8 groups) timed within a microsecond of this one in isolation, either way
 // round over three A/B runs on an H200, and made the whole decode step under programmatic
-// dependent launch 0.2 ms slower (tools/gemv_lab.py --ab, results/gemv-lab-h200.md).
+// dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
 // grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
