@@ -21,10 +21,19 @@
 // 3. Scales once per group: the 8 MMAs of one 128-wide group start from zero, and the group's
 //    sum is scaled into the fp32 accumulator with one FMA per row.
 //
-// Thread layout inside a warp (the mma fragment layout): lane = 4 g + t. The warp owns a tile
-// of 16 rows; lane (g, t) loads rows g and g + 8, and in each group the t-th 16-byte piece
-// (32 weights: elements 32t .. 32t + 31 of the group). Four lanes thus read one row's 64-byte
-// group side by side. The MMA's k index is free to relabel: lane (g, t) places its pairs at
+// The layout the GEMVs read (nanoqwen/quant.py, tile_int4): a warp multiplies a tile of 16 rows,
+// so the device keeps the packed weights as [tiles][groups][16 rows][16 words]. The kilobyte a
+// warp needs for one group is then one contiguous run, and the groups of its split follow each
+// other: one stream per warp instead of 16 rows' 64-byte pieces 7-37 KB apart, as the file's
+// row-major order gives. The scales (3% of the bytes) keep the file's row-major [rows][groups]:
+// tiled as well, they made the decode step slower and more sensitive to the ring depths
+// (results/gemv-lab-h200.md, session 5).
+//
+// Thread layout inside a warp (the mma fragment layout): lane = 4 g + t. Lane (g, t) multiplies
+// rows g and g + 8 of its tile, and in each group the t-th 16-byte piece of each (32 weights:
+// elements 32t .. 32t + 31 of the group). In the tiled layout those two pieces sit at bytes
+// 16 lane and 512 + 16 lane of the group's kilobyte, so the warp's copies are two fully
+// coalesced 512-byte runs. The MMA's k index is free to relabel: lane (g, t) places its pairs at
 // the k slots 2t, 2t+1 (register a0/a1) and 2t+8, 2t+9 (a2/a3) and supplies x for the same
 // slots, identical for every g, which is all a dot product needs.
 //
@@ -42,12 +51,16 @@
 constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
 constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread evenly over the SMs
-#ifndef NQ_GEMV_STAGES
-#define NQ_GEMV_STAGES 8  // tools/bench_kernels.py --sweep compiles other depths to compare
-#endif
-// Groups in the shared-memory ring: 1 KB of weights per stage and tile, and 256 bytes of x.
-constexpr int GEMV_STAGES = NQ_GEMV_STAGES;
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
+// Groups in each warp's shared-memory ring (1 KB of weights and 32 bytes of scales per tile,
+// 256 bytes of x). The best depths were found inside the decode step, where each GEMV fills its
+// ring while the kernel before it still runs, not in isolation: tools/sweep_gemv_stages.py.
+#ifndef NQ_GATE_UP_STAGES
+#define NQ_GATE_UP_STAGES 6
+#endif
+#ifndef NQ_SPLIT_K_STAGES
+#define NQ_SPLIT_K_STAGES 4
+#endif
 
 // lop3 with truth table 0xEA computes (a & b) | c.
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
@@ -110,37 +123,33 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the
-// dot products of rows rows[tile][0] (= row g) and rows[tile][1] (= row g + 8) with x over the
-// groups [group_begin, group_end).
+// For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the dot
+// products of rows rows[tile][0] (= row g of the tile) and rows[tile][1] (= row g + 8) with x
+// over the groups [group_begin, group_end).
 //
-// Everything a group needs comes from shared memory, so that the warp's chain per group is
-// shared loads, unpacking and MMAs, never a wait on global memory:
-// - the weights of a group travel by cp.async into a ring of STAGES slots, STAGES - 1 groups
-//   ahead of the one being multiplied; each lane copies exactly the 16-byte pieces it later
-//   reads itself;
-// - x of the same group travels with them (lanes 0-15 copy its 256 bytes); every lane reads
-//   its 64 bytes of it, so the lanes meet at __syncwarp between copy and use;
-// - the scales, two bytes per row and group, are too small for cp.async: they are loaded as raw
-//   fp16 into a register ring the same STAGES - 1 groups ahead and converted where they are used
-//   (a conversion at the load would stall the warp on it), and the prologue asks L1 to fetch
-//   every 128-byte line of scales the warp will need, so those loads hit.
-// The loop is unrolled by STAGES because register arrays need compile-time indices.
+// The weights and x of a group travel by cp.async into one slot of a shared-memory ring of
+// STAGES slots, STAGES - 1 groups ahead of the one being multiplied, so that the warp's chain per
+// group is shared loads, unpacking and MMAs, never a wait on global memory:
+// - weights: each lane copies exactly the two 16-byte pieces it later reads itself;
+// - x: lanes 0-15 copy its 256 bytes; every lane reads 64 of them, so the lanes meet at
+//   __syncwarp between copy and use.
+// The scales, two bytes per row and group, are too small for cp.async: they are loaded as raw
+// fp16 into a register ring the same STAGES - 1 groups ahead and converted where they are used
+// (a conversion at the load would stall the warp on it), and the prologue asks L1 to fetch every
+// 128-byte line of scales the warp will need, so those loads hit. The loop is unrolled by STAGES
+// because register arrays need compile-time indices.
 //
-// What the H200 said (results/gemv-lab-h200.md, "session 4"): with x loaded from global memory
-// at the top of every group and each scale converted as it was loaded, a warp spent ~1300 cycles
-// per group even with no weights loaded at all, and gate+up took 27.6 us. With x and the scales'
-// lines staged as above and the two-mask unpack, an isolated gate+up takes 23.6 us with a 4-deep
-// ring and 25.4 us with an 8-deep one; the engine keeps 8, because inside the decode graph the
-// deeper ring is filled before wait_for_previous_kernel(), while the kernel in front is still
-// running: the whole step took 2.07 ms with 8 stages and 2.21 ms with 4.
-// One warp per block: the ring is the block's shared memory.
+// What the H200 said (results/gemv-lab-h200.md): with x loaded from global memory at the top of
+// every group and each scale converted as it was loaded, a warp spent ~1300 cycles per group even
+// with no weights loaded at all (session 4). With the row-major weights a deeper ring (8) won
+// inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
+// in front still runs; with the tiled weights the step is fastest with 6 slots for gate+up and 4
+// for the split-K GEMVs (session 5). One warp per block: the ring is the block's shared memory.
 template <int K, int TILES, int STAGES>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* x, const int (&rows)[TILES][2],
                                               int group_begin, int group_end, float (&acc)[TILES][2]) {
-  constexpr int WORDS_PER_ROW = K / 8;
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
   __shared__ uint4 weight_ring[STAGES][TILES][2][WARP_SIZE];
   __shared__ uint4 x_ring[STAGES][X_PIECES_PER_GROUP];
@@ -149,14 +158,17 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   unsigned short scale_ring[STAGES][TILES][2];
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
-  // weights always, x only once the previous kernel has written it (WITH_X).
+  // weights and scales always, x only once the previous kernel has written it (WITH_X).
+  // Row r's 64 bytes of a group sit at word ((r / 16 * GROUPS + group) * 16 + r % 16) * 16 of
+  // the tiled weights (quant.tile_int4); the lane's piece is 4 t words further.
 #define NQ_FETCH_GROUP(i, SLOT, WITH_X)                                                                  \
   do {                                                                                                   \
     const int group = group_begin + (i);                                                                 \
     _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                         \
       _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                    \
         const long long row = rows[tile][r];                                                             \
-        copy_async_16B(&weight_ring[SLOT][tile][r][lane], qweight + row * WORDS_PER_ROW + group * WORDS_PER_GROUP + 4 * t); \
+        const long long tiled_row = (row / TILE_ROWS * GROUPS + group) * TILE_ROWS + row % TILE_ROWS;   \
+        copy_async_16B(&weight_ring[SLOT][tile][r][lane], qweight + tiled_row * WORDS_PER_GROUP + 4 * t); \
         scale_ring[SLOT][tile][r] = __ldg(scales + row * GROUPS + group);                                \
       }                                                                                                  \
     }                                                                                                    \
@@ -229,8 +241,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 
 // Warp `unit` of the grid computes split `unit % splits` of tile `unit / splits` and writes
 // partials[split][row] for its 16 rows; split 0 adds the bias.
-//   qweight uint32 [n_rows, K/8], scales fp16 [n_rows, K/128], bias fp16 [n_rows] or null,
-//   x fp16 [K], partials fp32 [splits, n_rows]
+//   qweight uint32 [ceil(n_rows / 16), K/128, 16, 16] (quant.tile_int4), scales fp16 [n_rows, K/128],
+//   bias fp16 [n_rows] or null, x fp16 [K], partials fp32 [splits, n_rows]
 template <int K>
 __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restrict__ qweight,
                                                    const unsigned short* __restrict__ scales,
@@ -239,18 +251,19 @@ __device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restric
                                                    int n_rows, int splits) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
   let_next_kernel_launch();
-  const int tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
+  const int num_tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
   const int wanted_unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
   // A warp past the last unit repeats the last one and writes nothing: it must still reach the
   // wait inside int4_tile_dot (common.cuh, programmatic dependent launch).
-  const int unit = min(wanted_unit, tiles * splits - 1);
+  const int unit = min(wanted_unit, num_tiles * splits - 1);
   const int tile = unit / splits, split = unit % splits;
   const int lane = threadIdx.x % WARP_SIZE;
   const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
   // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, GEMV_STAGES>(qweight, scales, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits, acc);
+  int4_tile_dot<K, 1, NQ_SPLIT_K_STAGES>(qweight, scales, x, rows, split * GROUPS / splits,
+                                         (split + 1) * GROUPS / splits, acc);
   if (lane % 4 == 0 && wanted_unit == unit) {
     float* out = partials + (long long)split * n_rows;
     const bool add_bias = bias != nullptr && split == 0;
@@ -275,12 +288,12 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
-// qweight/scales hold gate's rows then up's rows ([2 I, H/8] and [2 I, H/128]); each warp takes
-// the same 16 rows of both, over the whole input (silu needs the finished sum: no split).
+// qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]); each warp takes the
+// same 16 rows of both, over the whole input (silu needs the finished sum: no split).
 // A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
-// diagonal holding 8 groups) timed within a microsecond of this one in isolation, either way
-// round over three A/B runs on an H200, and made the whole decode step under programmatic
-// dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
+// diagonal holding 8 groups) timed within a microsecond of the row-major 16-row form in
+// isolation, either way round over three A/B runs on an H200, and made the whole decode step
+// under programmatic dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
 // grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
@@ -295,7 +308,7 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, GEMV_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
+  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
   if (lane % 4 == 0 && wanted_tile == tile) {
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
     if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
@@ -304,8 +317,9 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a
-// packed matrix into a scratch buffer, one word (8 weights, one 16-byte store) per thread.
-// The fp32 product (nibble - 8) * scale is rounded to fp16 (relative error <= 2^-11).
+// packed matrix (weights tiled, scales row-major) into a row-major scratch buffer, one word (8
+// weights, one 16-byte store) per thread. The fp32 product (nibble - 8) * scale is rounded to
+// fp16 (relative error <= 2^-11).
 // grid-stride over n_rows * in_features / 8 words; out fp16 [n_rows, in_features]
 extern "C" __global__ void __launch_bounds__(256)
 dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
@@ -314,10 +328,11 @@ dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned
   const long long total = (long long)n_rows * words_per_row;
   const int groups = in_features / NQ_GROUP_SIZE;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const long long row = i / words_per_row, word_in_row = i % words_per_row;
-    const float scale = half_to_float(scales[row * groups + word_in_row * 8 / NQ_GROUP_SIZE]);
+    const long long row = i / words_per_row, word_in_row = i % words_per_row, group = word_in_row / WORDS_PER_GROUP;
+    const long long tiled_row = (row / TILE_ROWS * groups + group) * TILE_ROWS + row % TILE_ROWS;
+    const float scale = half_to_float(scales[row * groups + group]);
     unsigned int pairs[4];
-    unpack_int4_word(qweight[i], pairs);
+    unpack_int4_word(qweight[tiled_row * WORDS_PER_GROUP + word_in_row % WORDS_PER_GROUP], pairs);
     unsigned int packed[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {

@@ -42,10 +42,10 @@ from .cuda_launch import StepKernel
 from .engine import PREFILL_WEIGHTS
 from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
+from .quant import TILE_ROWS, tile_int4
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
-TILE_ROWS = 16  # rows per warp in the INT4 GEMV (gemv_int4.cu)
 GEMV_THREADS = 32  # one warp per block
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
@@ -68,10 +68,11 @@ CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
 @dataclass
 class DeviceLinear:
-    """One INT4 projection on the device; `splits` is its split-K factor in decode."""
+    """One INT4 projection on the device, its packed weights in the GEMVs' tiled layout
+    (quant.tile_int4); `splits` is its split-K factor in decode."""
 
-    qweight: object  # cupy uint32 [out, in/8]
-    scales: object  # cupy float16 [out, in/128]
+    qweight: object  # cupy uint32 [tiles, in/128, 16, 16]
+    scales: object  # cupy float16 [out, in/128], row-major
     bias: object | None  # cupy float16 [out]
     bias32: object | None  # cupy float32 [out]: prefill's GEMM starts from it
     out_features: int
@@ -109,6 +110,18 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     groups = in_features // group_size
     wanted = -(-warps_per_sm * num_sms // tiles)
     return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT))
+
+
+def stack_linears(linears: list[Int4Linear]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Projections that share an input, stacked row-wise into one matrix: (qweight, scales, bias)."""
+    in_features = linears[0].in_features
+    if any(lin.in_features != in_features for lin in linears):
+        raise ValueError("projections stacked into one matrix must share their input size")
+    biases = [lin.bias for lin in linears]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise ValueError("projections stacked into one matrix must all have a bias or none")
+    return (np.concatenate([lin.qweight for lin in linears]), np.concatenate([lin.scales for lin in linears]),
+            None if biases[0] is None else np.concatenate(biases))
 
 
 def greedy_token_of(head: np.ndarray) -> int:
@@ -220,7 +233,7 @@ class CudaBackend:
             self.kv_pool = cp.zeros(kv_pool_shape(c, self.num_pages), dtype=cp.float16)
             self._kv_layers = [self.kv_pool[i] for i in range(c.num_layers)]
             self._allocate_decode_buffers()
-            self.int8_layers = [self._int8_projections(layer) for layer in self.layers] if activations == "int8" else None
+            self.int8_layers = [self._int8_projections(i) for i in range(c.num_layers)] if activations == "int8" else None
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
@@ -234,24 +247,19 @@ class CudaBackend:
     # ------------------------------------------------------------------ setup
 
     def _upload_linear(self, linears: list[Int4Linear]) -> DeviceLinear:
+        """Stack `linears` into one matrix and upload it, the packed words tiled on the device."""
         cp = self._cp
-        in_features = linears[0].in_features
-        if any(lin.in_features != in_features for lin in linears):
-            raise ValueError("projections stacked into one matrix must share their input size")
-        qweight = np.concatenate([lin.qweight for lin in linears])
-        scales = np.concatenate([lin.scales for lin in linears])
-        biases = [lin.bias for lin in linears]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            raise ValueError("projections stacked into one matrix must all have a bias or none")
-        bias = None if biases[0] is None else cp.asarray(np.concatenate(biases))
+        qweight, scales, bias = stack_linears(linears)
+        bias = None if bias is None else cp.asarray(bias)
+        out_features, in_features = qweight.shape[0], qweight.shape[1] * 8
         return DeviceLinear(
-            qweight=cp.asarray(qweight),
+            qweight=tile_int4(cp.asarray(qweight), xp=cp),
             scales=cp.asarray(scales),
             bias=bias,
             bias32=None if bias is None else bias.astype(cp.float32),
-            out_features=qweight.shape[0],
+            out_features=out_features,
             in_features=in_features,
-            splits=gemv_splits(qweight.shape[0], in_features, self.num_sms, self.config.group_size),
+            splits=gemv_splits(out_features, in_features, self.num_sms, self.config.group_size),
         )
 
     def _upload_layer(self, w) -> DeviceLayer:
@@ -284,14 +292,19 @@ class CudaBackend:
                     self._dequantize_into(linear, linear.dense)
         return policy
 
-    def _int8_projections(self, layer: DeviceLayer) -> dict:
-        """Path A launchers for one layer's four projections, over the same device weights."""
+    def _int8_projections(self, layer: int) -> dict:
+        """Path A launchers for one layer's four projections. Path A's kernel reads the file's
+        row-major layout, so it gets its own copy of the weights (chapter 7 compares the paths;
+        only this mode pays the memory)."""
         from .int8_path import Int8Gemv
 
-        return {
-            name: Int8Gemv(self.config, linear.qweight, linear.scales, linear.bias)
-            for name, linear in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down))
-        }
+        cp, w = self._cp, self.model.layer(layer)
+        projections = {}
+        for name, linears in (("qkv", [w.q, w.k, w.v]), ("o", [w.o]), ("gate_up", [w.gate, w.up]), ("down", [w.down])):
+            qweight, scales, bias = stack_linears(linears)
+            projections[name] = Int8Gemv(self.config, cp.asarray(qweight), cp.asarray(scales),
+                                         None if bias is None else cp.asarray(bias))
+        return projections
 
     def _allocate_decode_buffers(self) -> None:
         cp, c = self._cp, self.config

@@ -10,6 +10,10 @@ Shapes follow Hugging Face: a linear weight is [out, in]; groups run along `in`.
 Eight nibbles share a uint32 word, *interleaved*: element e of the word lives in nibble
 NIBBLE_OF_ELEMENT[e]. A GPU thread then gets elements (2i, 2i+1) as the two 16-bit halves of
 `(word >> 4i) & 0x000F000F`, already in the order of the fp16 activation pairs it multiplies.
+
+The file keeps matrices row-major. The CUDA decode GEMVs read the packed words re-tiled
+(`tile_int4`): one warp multiplies 16 rows, so each 16-row tile's words of one input group
+(16 rows x 64 bytes) are stored together, and a warp's range of groups is one contiguous run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GROUP_SIZE
+
+TILE_ROWS = 16  # rows per tile of the decode layout: the rows one warp multiplies (kernels/gemv_int4.cu)
 
 QMAX = 7  # symmetric range [-7, 7]: -8 is left unused so that +-max|w| map exactly
 ZERO_POINT = 8
@@ -64,3 +70,23 @@ def dequantize_int4(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
     group_size = in_features // scales.shape[1]
     grouped = q.reshape(out_features, scales.shape[1], group_size) * scales.astype(np.float32)[..., None]
     return grouped.reshape(out_features, in_features)
+
+
+def tile_int4(qweight, xp=np):
+    """The decode layout of packed weights: uint32 [tiles, groups, 16, W] (W = 16 words per row and group).
+
+    qweight uint32 [rows, in/8] is padded with zero rows to a multiple of 16 and cut into 16-row
+    tiles; word w of row r lands at [r // 16, w // W, r % 16, w % W]. Projections stacked into one
+    matrix (q|k|v, gate|up) stay whole tiles apart, since every stacked size but the last is a
+    multiple of 128 (ModelConfig checks it). The scales keep the file's row-major [rows, groups]
+    (kernels/gemv_int4.cu says why). `xp` is numpy or cupy: the CUDA backend tiles on the device.
+    """
+    rows, words = qweight.shape
+    words_per_group = GROUP_SIZE // 8
+    if words % words_per_group:
+        raise ValueError(f"rows of {words} words are not whole groups of {words_per_group}")
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
+    tiled = xp.zeros((padded, words), dtype=xp.uint32)
+    tiled[:rows] = qweight
+    tiled = tiled.reshape(padded // TILE_ROWS, TILE_ROWS, words // words_per_group, words_per_group)
+    return xp.ascontiguousarray(tiled.transpose(0, 2, 1, 3))

@@ -27,7 +27,7 @@ import pytest
 from nanoqwen import cuda_build
 from nanoqwen import ops_numpy as ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
-from nanoqwen.quant import dequantize_int4
+from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 cp = pytest.importorskip("cupy")
@@ -95,6 +95,12 @@ def random_int4(rng, out_features: int, in_features: int):
     qweight = rng.integers(0, 2**32, size=(out_features, in_features // 8), dtype=np.uint32)
     scales = (0.004 + 0.008 * rng.random((out_features, in_features // 128))).astype(np.float16)
     return qweight, scales
+
+
+def device_tiled(qweight, scales):
+    """(words, scales) on the device in the GEMVs' layout, as the backend uploads them: the
+    words tiled (quant.tile_int4), the scales row-major."""
+    return cp.asarray(tile_int4(qweight)), cp.asarray(scales)
 
 
 def checked_rows(rng, n: int) -> np.ndarray:
@@ -174,7 +180,7 @@ def test_gemv_int4_partials(case, split_choice):
     units = -(-n // TILE_ROWS) * splits
     kernel(config_name, name)(
         (units,), (GEMV_THREADS,),
-        (cp.asarray(qweight), cp.asarray(scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
+        (*device_tiled(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
          partials, np.int32(n), np.int32(splits)),
     )
     partials = partials.get()
@@ -195,7 +201,7 @@ def test_gemv_int4_gate_up_silu(config_name):
     x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
     out = poisoned(i, cp.float16)
     kernel(config_name, "gemv_int4_gate_up_silu")(
-        *gate_up_launch(i), (cp.asarray(qweight), cp.asarray(scales), cp.asarray(x), out)
+        *gate_up_launch(i), (*device_tiled(qweight, scales), cp.asarray(x), out)
     )
     rows = checked_rows(rng, i)
     gate, gate_bound = int4_reference(qweight, scales, None, x, rows)
@@ -208,13 +214,15 @@ def test_gemv_int4_gate_up_silu(config_name):
     assert_half_close(result[rows], expected, extra=carried)
 
 
-@pytest.mark.parametrize("config_name, n, k", [("7b", 512, 3584), ("odd", 640, 384), ("odd", 384, 640)])
+@pytest.mark.parametrize("config_name, n, k", [("7b", 512, 3584), ("odd", 640, 384), ("odd", 384, 640),
+                                               ("odd", 1000, 384)])
 def test_dequantize_int4_to_half(config_name, n, k):
+    """From the tiled layout, with a padded last tile (1000 rows), back to row-major fp16."""
     rng = np.random.default_rng([n, k])
     qweight, scales = random_int4(rng, n, k)
     out = poisoned((n, k), cp.float16)
     kernel(config_name, "dequantize_int4_to_half")(
-        (13,), (256,), (cp.asarray(qweight), cp.asarray(scales), out, np.int32(n), np.int32(k))
+        (13,), (256,), (*device_tiled(qweight, scales), out, np.int32(n), np.int32(k))
     )
     np.testing.assert_array_equal(out.get(), dequantize_int4(qweight, scales).astype(np.float16))
 

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from nanoqwen.quant import NIBBLE_OF_ELEMENT, QMAX, ZERO_POINT, dequantize_int4, quantize_int4, unpack_int4
+from nanoqwen.quant import (
+    NIBBLE_OF_ELEMENT, QMAX, TILE_ROWS, ZERO_POINT, dequantize_int4, quantize_int4, tile_int4, unpack_int4,
+)
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 FP16_TINY = float(np.finfo(np.float16).smallest_subnormal)  # 2**-24
@@ -189,3 +191,25 @@ def test_fp16_unpack_gives_elements_in_activation_order():
         values.astype(np.float32) * np.repeat(scales.astype(np.float32), 128, axis=1),
         dequantize_int4(qweight, scales),
     )
+
+
+# ---------------------------------------------------------------------- the decode layout
+
+
+@pytest.mark.parametrize("rows", [48, 1000, 7, 2 * 18944])
+def test_tile_int4_puts_every_word_where_the_kernels_look(rows):
+    """Row r, word w at [r // 16, w // 16, r % 16, w % 16]; the padding rows of the last tile
+    hold zero words."""
+    rng = np.random.default_rng(rows)
+    qweight = rng.integers(1, 2**32, (rows, 384 // 8), dtype=np.uint32)  # never 0: padding is
+    tiled = tile_int4(qweight)
+    tiles = -(-rows // TILE_ROWS)
+    assert tiled.shape == (tiles, 3, TILE_ROWS, 16) and tiled.flags.c_contiguous
+    row = np.arange(rows)
+    assert (tiled[row // TILE_ROWS, :, row % TILE_ROWS, :].reshape(rows, -1) == qweight).all()
+    assert (tiled.transpose(0, 2, 1, 3).reshape(tiles * TILE_ROWS, -1)[rows:] == 0).all()
+
+
+def test_tile_int4_refuses_rows_of_partial_groups():
+    with pytest.raises(ValueError, match="not whole groups"):
+        tile_int4(np.zeros((10, 40), dtype=np.uint32))

@@ -52,6 +52,7 @@ from nanoqwen.int8_path import (
     synthetic_activations,
 )
 from nanoqwen.loader import Int4Linear
+from nanoqwen.quant import tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 CONFIG = QWEN25_CODER_7B
@@ -261,13 +262,14 @@ def path_b_kernels(cp):
 
 class PathB:
     """One projection through the engine's decode GEMV, launched by CudaBackend._gemv itself
-    (it reads nothing of the backend but `kernels`), with the engine's split-K factor."""
+    (it reads nothing of the backend but `kernels`), with the engine's split-K factor, on its own
+    copy of the weights in the engine's tiled layout."""
 
     def __init__(self, cp, path_b, width: str, qweight, scales, num_sms: int):
         bc = path_b.backend_cuda
         n, k = qweight.shape[0], qweight.shape[1] * 8
         splits = bc.gemv_splits(n, k, num_sms, CONFIG.group_size)
-        self.linear = bc.DeviceLinear(qweight=qweight, scales=scales, bias=None, bias32=None,
+        self.linear = bc.DeviceLinear(qweight=tile_int4(qweight, xp=cp), scales=scales, bias=None, bias32=None,
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
         self.partials = cp.empty((splits, n), dtype=cp.float32)
@@ -342,7 +344,8 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
     if b:
         variants["b"] = lambda i: b[i](xs[i])
     if fused:
-        variants["b_fused_silu"] = lambda i: fused_gate_up(cp, path_b, qw[i], sc[i], xs[i], hs[i])
+        variants["b_fused_silu"] = lambda i: fused_gate_up(cp, path_b, b[i].linear.qweight, b[i].linear.scales,
+                                                           xs[i], hs[i])
     graphs = {}
     for variant, call in variants.items():
         graphs[variant] = timer.capture(lambda call=call: [call(i % copies) for i in range(calls)])

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, block_threads, gate_up_launch, gemv_splits, persistent_blocks  # noqa: E402
+from nanoqwen.quant import tile_int4  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
@@ -107,7 +108,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     rows = 2 * n if fused else n
     weight_bytes = rows * k // 2 + rows * (k // 128) * 2
     copies = copies_for(weight_bytes, l2_bytes)
-    qweights = [random_words(cp, (rows, k // 8)) for _ in range(copies)]
+    qweights = [tile_int4(random_words(cp, (rows, k // 8)), xp=cp) for _ in range(copies)]  # the engine's layout
     scales = [random_scales(cp, (rows, k // 128)) for _ in range(copies)]
     x = (cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
     function = module.get_function(kernel)
@@ -180,7 +181,8 @@ def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
     lines = ["| ring stages | warps/SM target | gate+up us | down us | fused qkv us | o us | regs (gate+up, down) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for stages in (4, 8, 12):
-        module = cuda_build.compile_module(config, extra_defines={"NQ_GEMV_STAGES": str(stages)})
+        module = cuda_build.compile_module(config, extra_defines={"NQ_GATE_UP_STAGES": str(stages),
+                                                                  "NQ_SPLIT_K_STAGES": str(stages)})
         regs = (module.get_function("gemv_int4_gate_up_silu").num_regs,
                 module.get_function("gemv_int4_from_intermediate").num_regs)
         gate_up = bench_gemv(cp, module, l2_bytes, num_sms, "", "gemv_int4_gate_up_silu", i, h, False)["seconds"]

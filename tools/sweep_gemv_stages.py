@@ -1,0 +1,129 @@
+"""Tune the INT4 GEMVs' ring depths and split-K target inside the real decode step.
+
+Isolated, a GEMV's best ring depth is not its best depth in the step: there, programmatic
+dependent launch lets each GEMV fill its ring while the kernel before it still runs (chapter 6),
+and the kernels share the GPU's memory system. So this times the captured decode graph itself,
+after a 512-token prompt, for each combination of
+    NQ_GATE_UP_STAGES   ring slots of gemv_int4_gate_up_silu          (compile time)
+    NQ_SPLIT_K_STAGES   ring slots of the split-K GEMVs (qkv, o, down) (compile time)
+    warps per SM        the split-K target of backend_cuda.gemv_splits  (launch time)
+    carve-out           the preferred share of each SM's shared memory capacity, in percent, set
+                        on the split-K GEMVs (-1: the driver's choice, the default); it caps how
+                        many of their one-warp blocks an SM holds at once
+swapping only the four GEMV kernels and the splits of one CudaBackend. Rounds alternate the
+variants, so drift shows as spread, not as a difference. Every variant's logits are compared with
+the first one's: equal bit for bit when the splits are the same (the ring depth changes no sum).
+
+    python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
+    PYTHONPATH=. python3 tools/sweep_gemv_stages.py /tmp/q7b.nanoqwen --json sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen import cuda_build  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_KERNELS, GEMV_WARPS_PER_SM, CudaBackend, gemv_splits  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, time_decode_steps  # noqa: E402
+from nanoqwen.cuda_launch import StepKernel  # noqa: E402
+from nanoqwen.kvcache import pages_needed  # noqa: E402
+from nanoqwen.loader import load  # noqa: E402
+
+GEMV_KERNEL_NAMES = (*GEMV_KERNELS.values(), "gemv_int4_gate_up_silu")
+PROMPT_TOKENS = 512
+
+
+def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) -> None:
+    """Point `backend` at this module's GEMV kernels, this split-K target and this carve-out; the
+    decode graph is captured again at its next use."""
+    import cupy as cp
+
+    c = backend.config
+    for name in GEMV_KERNEL_NAMES:
+        backend.kernels[name] = StepKernel(module.get_function(name), name)
+    for name in GEMV_KERNELS.values():
+        cp.cuda.driver.funcSetAttribute(backend.kernels[name].kernel.ptr,
+                                        cp.cuda.driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
+    for linear in backend._linears():
+        linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm)
+    backend._allocate_decode_buffers()  # the partial-sum buffers follow the splits
+    backend._graph = None
+    backend.forget_step_inputs()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
+    parser.add_argument("--gate-up-stages", type=int, nargs="+", default=[4, 5, 6, 7, 8])
+    parser.add_argument("--split-k-stages", type=int, nargs="+", default=[3, 4, 5, 6])
+    parser.add_argument("--warps-per-sm", type=int, nargs="+", default=[GEMV_WARPS_PER_SM])
+    parser.add_argument("--carveout", type=int, nargs="+", default=[-1])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every timing here")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    model = load(args.model)
+    c = model.config
+    pages = pages_needed(PROMPT_TOKENS + TIMING_STEPS + 1)
+    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
+    page_table = np.arange(pages, dtype=np.int32)
+    prompt = np.random.default_rng(0).integers(0, c.vocab_size, PROMPT_TOKENS).astype(np.int32)
+    backend.prefill(prompt, 0, page_table)
+
+    variants = list(itertools.product(args.gate_up_stages, args.split_k_stages, args.warps_per_sm, args.carveout))
+    modules = {}
+    for gate_up, split_k, _, _ in variants:
+        if (gate_up, split_k) not in modules:
+            modules[gate_up, split_k] = cuda_build.compile_module(
+                c, files=("gemv_int4.cu",),
+                extra_defines={"NQ_GATE_UP_STAGES": str(gate_up), "NQ_SPLIT_K_STAGES": str(split_k)})
+    times = {v: [] for v in variants}
+    reference, logit_diff = None, {}
+    for _ in range(args.rounds):
+        for variant in variants:
+            gate_up, split_k, warps, carveout = variant
+            use_variant(backend, modules[gate_up, split_k], warps, carveout)
+            logits = backend.decode(1, PROMPT_TOKENS, page_table)
+            if reference is None:
+                reference = logits
+            logit_diff[variant] = float(np.abs(logits - reference).max())
+            graph = backend.decode_graph()
+            times[variant].append(time_decode_steps(backend, graph.launch, TIMING_STEPS, PROMPT_TOKENS, page_table))
+    rows = [{"gate_up_stages": v[0], "split_k_stages": v[1], "warps_per_sm": v[2], "carveout": v[3],
+             "splits": {name: gemv_splits(n, k, backend.num_sms, c.group_size, v[2]) for name, (n, k) in
+                        (("qkv", (c.q_dim + 2 * c.kv_dim, c.hidden_size)), ("o", (c.hidden_size, c.q_dim)),
+                         ("down", (c.hidden_size, c.intermediate_size)))},
+             "ms_per_step": statistics.median(times[v]), "runs_ms": times[v], "max_logit_diff": logit_diff[v]}
+            for v in variants]
+    rows.sort(key=lambda r: r["ms_per_step"])
+    print("| gate+up stages | split-K stages | warps/SM | carve-out | ms per step (median) | spread | max logit diff vs first |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        spread = max(r["runs_ms"]) - min(r["runs_ms"])
+        print(f"| {r['gate_up_stages']} | {r['split_k_stages']} | {r['warps_per_sm']} | {r['carveout']} | {r['ms_per_step']:.4f} | "
+              f"{spread:.4f} | {r['max_logit_diff']:.2e} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
+            "command": " ".join(["tools/sweep_gemv_stages.py", *(argv or sys.argv[1:])]),
+            "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
