@@ -52,8 +52,8 @@ constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
 constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread evenly over the SMs
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
-// Groups in each warp's shared-memory ring (1 KB of weights and 32 bytes of scales per tile,
-// 256 bytes of x). The best depths were found inside the decode step, where each GEMV fills its
+// Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
+// group). The best depths were found inside the decode step, where each GEMV fills its
 // ring while the kernel before it still runs, not in isolation: tools/sweep_gemv_stages.py.
 #ifndef NQ_GATE_UP_STAGES
 #define NQ_GATE_UP_STAGES 6
