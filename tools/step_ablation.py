@@ -1,0 +1,146 @@
+"""What each kind of kernel costs inside the decode step: the captured graph timed without it.
+
+`nanoqwen bench` prices each kernel in a graph of its own launches. In the engine's graph,
+programmatic dependent launch overlaps every kernel with its neighbours, so what a kernel costs
+the step is what the step saves when it is gone. This captures the decode graph whole and once
+without each group of launches (their kernel replaced by a no-op while the graph is captured),
+on one CudaBackend after a 512-token prompt, and times every graph the same way
+(nanoqwen.bench.time_decode_steps, rounds alternating the graphs). Without the removed kernels
+the outputs mean nothing; the time saved bounds what fusing the group away could win.
+
+    python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
+    PYTHONPATH=. python3 tools/step_ablation.py /tmp/q7b.nanoqwen --json ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, time_decode_steps  # noqa: E402
+from nanoqwen.kvcache import pages_needed  # noqa: E402
+from nanoqwen.loader import load  # noqa: E402
+
+PROMPT_TOKENS = 512
+# group name -> kernels left out of the captured step ("attention" is the attention object's decode)
+GROUPS = {
+    "gate+up GEMV (SwiGLU fused)": ["gemv_int4_gate_up_silu"],
+    "down GEMV": [GEMV_KERNELS["down"]],
+    "q|k|v GEMV": [GEMV_KERNELS["qkv"]],
+    "o GEMV": [GEMV_KERNELS["o"]],
+    "attention": ["attention"],
+    "add_rmsnorm": ["add_rmsnorm"],
+    "rope_write_kv": ["rope_write_kv"],
+    "lm_head + argmax": ["lm_head_logits", "argmax_select_next"],
+    "embed_tokens": ["embed_tokens"],
+}
+
+
+def _skip(*args, **kwargs) -> None:
+    """Stands in for a launch that the ablated graph leaves out."""
+
+
+@contextlib.contextmanager
+def without(backend: CudaBackend, names: list[str]):
+    """`backend` issues no launch of `names` until the block ends."""
+    kept = {name: backend.kernels[name] for name in names if name != "attention"}
+    try:
+        for name in kept:
+            backend.kernels[name] = _skip
+        if "attention" in names:
+            backend.attention.decode = _skip  # an instance attribute shadows the method
+        yield
+    finally:
+        backend.kernels.update(kept)
+        if "attention" in names:
+            del backend.attention.decode
+
+
+def launches_of(backend: CudaBackend, names: list[str]) -> int:
+    """How many launches of `names` one decode step makes."""
+    counted = {}
+
+    def count(name):
+        def launch(*args, **kwargs):
+            counted[name] = counted.get(name, 0) + 1
+        return launch
+
+    kept = {name: backend.kernels[name] for name in backend.kernels}
+    attention_calls = []
+    try:
+        for name in kept:
+            backend.kernels[name] = count(name)
+        backend.attention.decode = lambda *a, **k: attention_calls.append(1)
+        backend.decode_step_launches(backend.stream)
+    finally:
+        backend.kernels.update(kept)
+        del backend.attention.decode
+    per_attention = getattr(backend.attention, "launches_per_decode", 1)
+    return sum(len(attention_calls) * per_attention if n == "attention" else counted.get(n, 0) for n in names)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every timing here")
+    args = parser.parse_args(argv)
+
+    import cupy as cp
+
+    model = load(args.model)
+    pages = pages_needed(PROMPT_TOKENS + TIMING_STEPS + 1)
+    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
+    page_table = np.arange(pages, dtype=np.int32)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, PROMPT_TOKENS).astype(np.int32)
+    backend.prefill(prompt, 0, page_table)
+
+    variants = {"whole step": []} | {f"without {group}": names for group, names in GROUPS.items()}
+    graphs = {}
+    for variant, names in variants.items():
+        backend._graph = None  # capture anew, without `names`
+        with without(backend, names):
+            graphs[variant] = backend.decode_graph()
+    backend._graph = None
+    times = {variant: [] for variant in variants}
+    for _ in range(args.rounds):
+        for variant, graph in graphs.items():
+            times[variant].append(time_decode_steps(backend, graph.launch, TIMING_STEPS, PROMPT_TOKENS, page_table))
+    backend.forget_step_inputs()
+
+    whole = statistics.median(times["whole step"])
+    rows = []
+    for variant, names in variants.items():
+        ms = statistics.median(times[variant])
+        launches = launches_of(backend, names) if names else 0
+        saved_us = (whole - ms) * 1e3
+        rows.append({"variant": variant, "ms_per_step": ms, "runs_ms": times[variant], "launches_removed": launches,
+                     "saved_us": saved_us, "saved_us_per_launch": saved_us / launches if launches else None})
+    print("| graph | ms per step (median) | saved µs | launches left out | saved µs per launch |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        per_launch = "" if r["saved_us_per_launch"] is None else f"{r['saved_us_per_launch']:.2f}"
+        print(f"| {r['variant']} | {r['ms_per_step']:.4f} | {r['saved_us']:.0f} | {r['launches_removed']} | {per_launch} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
+            "command": " ".join(["tools/step_ablation.py", *(argv or sys.argv[1:])]),
+            "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
