@@ -24,7 +24,7 @@
 // The layout the GEMVs read (nanoqwen/quant.py, tile_int4): a warp multiplies a tile of 16 rows,
 // so the device keeps the packed weights as [tiles][groups][16 rows][16 words]. The kilobyte a
 // warp needs for one group is then one contiguous run, and the groups of its split follow each
-// other: one stream per warp instead of 16 rows' 64-byte pieces 7-37 KB apart, as the file's
+// other: one stream per warp instead of 16 rows' 64-byte pieces 1.75-9.25 KB apart, as the file's
 // row-major order gives. The scales (3% of the bytes) keep the file's row-major [rows][groups]:
 // tiled as well, they made the decode step slower and more sensitive to the ring depths
 // (results/gemv-lab-h200.md, session 5).
