@@ -128,7 +128,35 @@ def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: i
 
 
 TIMING_STEPS = 64  # decode steps each step-level timing runs past the prompt
+STEP_PROMPT_TOKENS = 512  # the protocol's prompt: the context every step-level timing starts from
 PDL_ROUNDS = 3  # alternations of the PDL and plain graphs; each figure is the median over rounds
+
+
+def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
+    """A CudaBackend of `model` holding a random prompt of `prompt_tokens` tokens, with pages for
+    TIMING_STEPS decode steps after it: where the step-level tools (tools/sweep_gemv_stages.py,
+    tools/step_ablation.py) start. Prefill dequantizes per prompt, so no fp16 copies take memory.
+    Returns (backend, page_table)."""
+    from .backend_cuda import CudaBackend
+    from .kvcache import pages_needed
+
+    pages = pages_needed(prompt_tokens + TIMING_STEPS + 1)
+    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
+    page_table = np.arange(pages, dtype=np.int32)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_tokens).astype(np.int32)
+    backend.prefill(prompt, 0, page_table)
+    return backend, page_table
+
+
+def measured_on(command: str) -> dict:
+    """Where and when a GPU figure was measured: UTC date and minute, the GPU's name, the command."""
+    import cupy as cp
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
+        "command": command,
+    }
 
 
 def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:

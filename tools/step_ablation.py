@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, time_decode_steps  # noqa: E402
-from nanoqwen.kvcache import pages_needed  # noqa: E402
+from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, measured_on, prompted_backend, time_decode_steps  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
-
-PROMPT_TOKENS = 512
 # group name -> kernels left out of the captured step ("attention" is the attention object's decode)
 GROUPS = {
     "gate+up GEMV (SwiGLU fused)": ["gemv_int4_gate_up_silu"],
@@ -97,14 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args(argv)
 
-    import cupy as cp
-
     model = load(args.model)
-    pages = pages_needed(PROMPT_TOKENS + TIMING_STEPS + 1)
-    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
-    page_table = np.arange(pages, dtype=np.int32)
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, PROMPT_TOKENS).astype(np.int32)
-    backend.prefill(prompt, 0, page_table)
+    backend, page_table = prompted_backend(model)
 
     variants = {"whole step": []} | {f"without {group}": names for group, names in GROUPS.items()}
     graphs = {}
@@ -134,9 +124,7 @@ def main(argv=None) -> int:
         print(f"| {r['variant']} | {r['ms_per_step']:.4f} | {r['saved_us']:.0f} | {r['launches_removed']} | {per_launch} |")
     if args.json:
         args.json.write_text(json.dumps({
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
-            "command": " ".join(["tools/step_ablation.py", *(argv or sys.argv[1:])]),
+            **measured_on(" ".join(["tools/step_ablation.py", *(argv or sys.argv[1:])])),
             "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
     model.close()
     return 0

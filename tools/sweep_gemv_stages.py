@@ -21,7 +21,6 @@ the first one's: equal bit for bit when the splits are the same (the ring depth 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import statistics
@@ -35,13 +34,12 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import GEMV_KERNELS, GEMV_WARPS_PER_SM, CudaBackend, gemv_splits  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, time_decode_steps  # noqa: E402
+from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, measured_on, prompted_backend, time_decode_steps  # noqa: E402
 from nanoqwen.cuda_launch import StepKernel  # noqa: E402
-from nanoqwen.kvcache import pages_needed  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
 GEMV_KERNEL_NAMES = (*GEMV_KERNELS.values(), "gemv_int4_gate_up_silu")
-PROMPT_TOKENS = 512
 
 
 def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) -> None:
@@ -73,15 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args(argv)
 
-    import cupy as cp
-
     model = load(args.model)
     c = model.config
-    pages = pages_needed(PROMPT_TOKENS + TIMING_STEPS + 1)
-    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
-    page_table = np.arange(pages, dtype=np.int32)
-    prompt = np.random.default_rng(0).integers(0, c.vocab_size, PROMPT_TOKENS).astype(np.int32)
-    backend.prefill(prompt, 0, page_table)
+    backend, page_table = prompted_backend(model)
 
     variants = list(itertools.product(args.gate_up_stages, args.split_k_stages, args.warps_per_sm, args.carveout))
     modules = {}
@@ -117,9 +109,7 @@ def main(argv=None) -> int:
               f"{spread:.4f} | {r['max_logit_diff']:.2e} |")
     if args.json:
         args.json.write_text(json.dumps({
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
-            "command": " ".join(["tools/sweep_gemv_stages.py", *(argv or sys.argv[1:])]),
+            **measured_on(" ".join(["tools/sweep_gemv_stages.py", *(argv or sys.argv[1:])])),
             "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
     model.close()
     return 0
