@@ -148,14 +148,18 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     return backend, page_table
 
 
-def measured_on(command: str) -> dict:
-    """Where and when a GPU figure was measured: UTC date and minute, the GPU's name, the command."""
+def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
+    """A step-level tool's rows with where and when they were measured (UTC date and minute, the
+    GPU's name, the command) and the protocol they start from, ready for results/."""
     import cupy as cp
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
-        "command": command,
+        "command": " ".join([tool, *argv]),
+        "prompt_tokens": STEP_PROMPT_TOKENS,
+        "steps_per_timing": TIMING_STEPS,
+        "rows": rows,
     }
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, measured_on, prompted_backend, time_decode_steps  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, prompted_backend, step_timing_record, time_decode_steps  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 # group name -> kernels left out of the captured step ("attention" is the attention object's decode)
 GROUPS = {
@@ -123,9 +123,7 @@ def main(argv=None) -> int:
         per_launch = "" if r["saved_us_per_launch"] is None else f"{r['saved_us_per_launch']:.2f}"
         print(f"| {r['variant']} | {r['ms_per_step']:.4f} | {r['saved_us']:.0f} | {r['launches_removed']} | {per_launch} |")
     if args.json:
-        args.json.write_text(json.dumps({
-            **measured_on(" ".join(["tools/step_ablation.py", *(argv or sys.argv[1:])])),
-            "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(step_timing_record("tools/step_ablation.py", argv or sys.argv[1:], rows), indent=1))
     model.close()
     return 0
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import GEMV_KERNELS, GEMV_WARPS_PER_SM, CudaBackend, gemv_splits  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, measured_on, prompted_backend, time_decode_steps  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, prompted_backend, step_timing_record, time_decode_steps  # noqa: E402
 from nanoqwen.cuda_launch import StepKernel  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
@@ -108,9 +108,7 @@ def main(argv=None) -> int:
         print(f"| {r['gate_up_stages']} | {r['split_k_stages']} | {r['warps_per_sm']} | {r['carveout']} | {r['ms_per_step']:.4f} | "
               f"{spread:.4f} | {r['max_logit_diff']:.2e} |")
     if args.json:
-        args.json.write_text(json.dumps({
-            **measured_on(" ".join(["tools/sweep_gemv_stages.py", *(argv or sys.argv[1:])])),
-            "prompt_tokens": PROMPT_TOKENS, "steps_per_timing": TIMING_STEPS, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(step_timing_record("tools/sweep_gemv_stages.py", argv or sys.argv[1:], rows), indent=1))
     model.close()
     return 0
 
