@@ -50,47 +50,9 @@ __device__ __forceinline__ unsigned smem_address(const void* pointer) {
   return address;
 }
 
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
-}
-
-// Arrive once and announce `bytes` more to come from the copy engine: the phase completes
-// when the arrivals are done AND those bytes have landed.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes) : "memory");
-}
-
-// Spin until the phase with this parity has completed. A barrier only remembers the parity of
-// its current phase, so a waiter must never fall two phases behind: the pipeline guarantees
-// it by giving each stage to one consumer warp (DECODE_STAGES % DECODE_CONSUMER_WARPS == 0).
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(smem_address(bar)), "r"(parity) : "memory");
-  } while (!done);
-}
-
-// The copy engine moves `bytes` from global to shared memory and completes them on `bar`.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
-}
-
-// Hardware named barrier `id` (0-15; 0 is __syncthreads) for THREADS threads, a multiple of 32.
-// bar.sync counts the calling warp's arrival and waits until THREADS threads have arrived;
-// bar.arrive counts it and goes on. The barrier then starts over. Both are .aligned: the whole
-// warp executes them, converged. An id in a register makes ptxas count all 16 as used.
-template <int THREADS>
-__device__ __forceinline__ void named_barrier_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
-}
-
-template <int THREADS>
-__device__ __forceinline__ void named_barrier_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
-}
+// mbarriers, the bulk copy and named barriers, shared with tools/sanitizer_probe.cu, which tests
+// these mechanisms one at a time.
+#include "mbarrier.cuh"
 
 // Two floats to an fp16 pair, round to nearest even; `lo` is the first element in memory.
 __device__ __forceinline__ unsigned pack_half2_rn(float lo, float hi) {

@@ -85,6 +85,9 @@ __device__ __forceinline__ int warp_slice_sum(const int* slice, int lane) {
 }
 
 #ifndef PROBE_LIBCUDACXX
+// The engine's primitives (mbar_init/_arrive_expect_tx/_wait, bulk_copy_to_shared, named
+// barriers) are the ones under test; the probe adds the variants the engine does not use.
+#include "mbarrier.cuh"
 // ============================================================ raw PTX mechanisms
 
 struct alignas(64) TensorMap128 {  // CUtensorMap: 128 opaque bytes, 64-byte aligned
@@ -105,14 +108,6 @@ constexpr int EMPTY_BARRIER0 = FULL_BARRIER0 + PROBE_STAGES;
 constexpr int STAGE_BARRIER_THREADS = 2 * 32;
 static_assert(EMPTY_BARRIER0 + PROBE_STAGES <= 16, "a block has 16 named barriers");
 
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes) : "memory");
-}
-
 // Announce `bytes` more to come from the copy engine, without arriving.
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes) : "memory");
@@ -120,20 +115,6 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned
 
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(smem_address(bar)), "r"(parity) : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
 }
 
 __device__ __forceinline__ void tensor_copy_1d(void* dst, const void* map, int c0, unsigned long long* bar) {
@@ -155,17 +136,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 // The barrier's pending count drops by one when this thread's earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
-// Hardware named barrier `id`: bar.arrive counts the warp's arrival and goes on, bar.sync
-// counts it and waits until STAGE_BARRIER_THREADS threads have arrived. Both are .aligned: the
-// whole warp executes them, converged.
-__device__ __forceinline__ void named_barrier_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(STAGE_BARRIER_THREADS) : "memory");
-}
-
-__device__ __forceinline__ void named_barrier_sync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(STAGE_BARRIER_THREADS) : "memory");
 }
 
 enum class Copy { Bulk, BulkCopyFirst, BulkSplit, Tma1d, Tma3d, CpAsync, Plain };
@@ -201,7 +171,7 @@ __device__ __forceinline__ void publish_landed(unsigned long long* full, int j) 
   if (H == Hooks::SkipFirstFullWait && j < PROBE_STAGES) return;
   mbar_wait(&full[j % PROBE_STAGES], (j / PROBE_STAGES) & 1);
   __syncwarp();  // converged for the .aligned barrier
-  named_barrier_arrive(FULL_BARRIER0 + j % PROBE_STAGES);
+  named_barrier_arrive<STAGE_BARRIER_THREADS>(FULL_BARRIER0 + j % PROBE_STAGES);
 }
 
 // Grid (blocks), PROBE_THREADS threads, sizeof(ProbeShared) dynamic shared memory. Block b sums
@@ -259,21 +229,21 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
         // fill needs no release.
         if constexpr (releases && named_empty(F)) {
           __syncwarp();  // converged for the .aligned barrier
-          if (round > 0) named_barrier_sync(EMPTY_BARRIER0 + stage);
+          if (round > 0) named_barrier_sync<STAGE_BARRIER_THREADS>(EMPTY_BARRIER0 + stage);
         }
         if (lane == 0) {
           if constexpr (releases && !named_empty(F)) mbar_wait(&sh.empty[stage], (round & 1) ^ 1);
           if constexpr (C == Copy::Bulk) {
             mbar_arrive_expect_tx(&sh.full[stage], SLICE_BYTES);
-            bulk_copy(dst, src, SLICE_BYTES, &sh.full[stage]);
+            bulk_copy_to_shared(dst, src, SLICE_BYTES, &sh.full[stage]);
           } else if constexpr (C == Copy::BulkCopyFirst) {
             // The copy may complete before the expect_tx: the transaction count goes negative and
             // the phase still cannot complete before this thread's arrival.
-            bulk_copy(dst, src, SLICE_BYTES, &sh.full[stage]);
+            bulk_copy_to_shared(dst, src, SLICE_BYTES, &sh.full[stage]);
             mbar_arrive_expect_tx(&sh.full[stage], SLICE_BYTES);
           } else if constexpr (C == Copy::BulkSplit) {
             mbar_expect_tx(&sh.full[stage], SLICE_BYTES);
-            bulk_copy(dst, src, SLICE_BYTES, &sh.full[stage]);
+            bulk_copy_to_shared(dst, src, SLICE_BYTES, &sh.full[stage]);
             mbar_arrive(&sh.full[stage]);  // a plain arrive, issued after the copy (see the header)
           } else if constexpr (C == Copy::Tma1d) {
             mbar_arrive_expect_tx(&sh.full[stage], SLICE_BYTES);
@@ -306,7 +276,7 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
     const int stage = i % PROBE_STAGES, round = i / PROBE_STAGES;
     if (H == Hooks::Fixed || (H == Hooks::SkipFirstFullWait && round > 0)) {
       if constexpr (F == Handoff::NamedBoth) {
-        named_barrier_sync(FULL_BARRIER0 + stage);
+        named_barrier_sync<STAGE_BARRIER_THREADS>(FULL_BARRIER0 + stage);
       } else {
         mbar_wait(&sh.full[stage], round & 1);
       }
@@ -319,7 +289,7 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
       } else if constexpr (named_empty(F)) {
         // Only for a stage the producer refills: an arrival nobody syncs with would stay pending.
         __syncwarp();  // converged for the .aligned barrier
-        if (i + PROBE_STAGES < n) named_barrier_arrive(EMPTY_BARRIER0 + stage);
+        if (i + PROBE_STAGES < n) named_barrier_arrive<STAGE_BARRIER_THREADS>(EMPTY_BARRIER0 + stage);
       } else {
         __syncwarp();
         if (lane == 0) mbar_arrive(&sh.empty[stage]);

@@ -235,7 +235,7 @@ def encode_with_bindings(kind: str, pool_address: int) -> bytes:
 
 
 def compile_options(module: str) -> tuple[str, ...]:
-    options = ("-std=c++17", "-lineinfo")
+    options = ("-std=c++17", "-lineinfo", f"-I{REPO / 'kernels'}")  # mbarrier.cuh, shared with the engine
     return options + (("-DPROBE_LIBCUDACXX",) if module == "libcu" else ())
 
 
