@@ -298,10 +298,11 @@ __device__ __forceinline__ void ring(const void* source, const int* __restrict__
   }
 }
 
-#define PROBE_POOL_KERNEL(name, copy, hooks)                                                                  \
+// A kernel over the pool: ring<copy, hooks[, handoff]>.
+#define PROBE_POOL_KERNEL(name, ...)                                                                          \
   extern "C" __global__ void __launch_bounds__(PROBE_THREADS)                                                \
       name(const int* __restrict__ pool, const int* __restrict__ table, int n, int* __restrict__ out) {       \
-    ring<copy, hooks>(pool, table, n, out);                                                                   \
+    ring<__VA_ARGS__>(pool, table, n, out);                                                                   \
   }
 
 PROBE_POOL_KERNEL(probe_bulk, Copy::Bulk, Hooks::Fixed)
@@ -317,18 +318,13 @@ PROBE_POOL_KERNEL(probe_plain, Copy::Plain, Hooks::Fixed)
 PROBE_POOL_KERNEL(probe_plain_broken, Copy::Plain, Hooks::NoConsumerWait)
 
 // The bulk copy with another stage hand-off (see Handoff).
-#define PROBE_HANDOFF_KERNEL(name, hooks, handoff)                                                            \
-  extern "C" __global__ void __launch_bounds__(PROBE_THREADS)                                                \
-      name(const int* __restrict__ pool, const int* __restrict__ table, int n, int* __restrict__ out) {       \
-    ring<Copy::Bulk, hooks, handoff>(pool, table, n, out);                                                    \
-  }
 
-PROBE_HANDOFF_KERNEL(probe_bulk_lane_empty, Hooks::Fixed, Handoff::LaneEmpty)
-PROBE_HANDOFF_KERNEL(probe_bulk_lane_empty_broken, Hooks::SkipFirstFullWait, Handoff::LaneEmpty)
-PROBE_HANDOFF_KERNEL(probe_bulk_named_empty, Hooks::Fixed, Handoff::NamedEmpty)
-PROBE_HANDOFF_KERNEL(probe_bulk_named_empty_broken, Hooks::SkipFirstFullWait, Handoff::NamedEmpty)
-PROBE_HANDOFF_KERNEL(probe_bulk_named_both, Hooks::Fixed, Handoff::NamedBoth)
-PROBE_HANDOFF_KERNEL(probe_bulk_named_both_broken, Hooks::SkipFirstFullWait, Handoff::NamedBoth)
+PROBE_POOL_KERNEL(probe_bulk_lane_empty, Copy::Bulk, Hooks::Fixed, Handoff::LaneEmpty)
+PROBE_POOL_KERNEL(probe_bulk_lane_empty_broken, Copy::Bulk, Hooks::SkipFirstFullWait, Handoff::LaneEmpty)
+PROBE_POOL_KERNEL(probe_bulk_named_empty, Copy::Bulk, Hooks::Fixed, Handoff::NamedEmpty)
+PROBE_POOL_KERNEL(probe_bulk_named_empty_broken, Copy::Bulk, Hooks::SkipFirstFullWait, Handoff::NamedEmpty)
+PROBE_POOL_KERNEL(probe_bulk_named_both, Copy::Bulk, Hooks::Fixed, Handoff::NamedBoth)
+PROBE_POOL_KERNEL(probe_bulk_named_both_broken, Copy::Bulk, Hooks::SkipFirstFullWait, Handoff::NamedBoth)
 
 // The tensor map in global memory (written by the host before the launch): a plain pointer
 // argument, so CuPy's RawKernel and graph capture need nothing new. The acquire fence orders the
