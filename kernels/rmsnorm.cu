@@ -11,11 +11,49 @@
 // their input dimension across warps and leave one fp32 partial sum per split (see
 // gemv_int4.cu), and this kernel is where those partials meet. Prefill passes its single
 // GEMM output (num_partials = 1); the first layer passes none (the residual is the embedding).
+//
+// Decode has one row, and one block reading it and its ten partials (140 KB for the 7B's
+// down_proj) keeps a single SM busy while the rest of the GPU waits: `add_rmsnorm_cluster`
+// spreads the row over a cluster of RMS_CLUSTER blocks on as many SMs, which add their sums of
+// squares through distributed shared memory.
 #include "common.cuh"
 
 constexpr int RMS_VECTORS = NQ_HIDDEN / 4;                       // float4 per row
 constexpr int RMS_THREADS = RMS_VECTORS < 1024 ? RMS_VECTORS : 1024;  // a multiple of 32
 constexpr int RMS_ITEMS = (RMS_VECTORS + RMS_THREADS - 1) / RMS_THREADS;
+
+// residual[v] + the sum of the partial updates at v, in split order (the float4 number v of `row`).
+__device__ __forceinline__ float4 updated_residual(const float4* residual_row, const float* partials, int num_partials,
+                                                   int partial_stride, long long row, int v) {
+  float4 delta = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int p = 0; p < num_partials; ++p) {
+    const float4 d = reinterpret_cast<const float4*>(partials + (long long)p * partial_stride + row * NQ_HIDDEN)[v];
+    delta.x += d.x;
+    delta.y += d.y;
+    delta.z += d.z;
+    delta.w += d.w;
+  }
+  float4 r = residual_row[v];
+  r.x += delta.x;
+  r.y += delta.y;
+  r.z += delta.z;
+  r.w += delta.w;
+  return r;
+}
+
+__device__ __forceinline__ float squares(float4 r) { return r.x * r.x + r.y * r.y + r.z * r.z + r.w * r.w; }
+
+// IEEE sqrt and division, like numpy.
+__device__ __forceinline__ float inverse_rms(float sum_squares) {
+  return 1.0f / sqrtf(sum_squares / (float)NQ_HIDDEN + NQ_RMS_EPS);
+}
+
+// Four normalized values as fp16, x * inv_rms * weight in fp32.
+__device__ __forceinline__ uint2 normalized_halves(float4 x, float inv_rms, uint2 weight) {
+  const float2 w01 = half2_to_float2(weight.x), w23 = half2_to_float2(weight.y);
+  return make_uint2(float2_to_half2(x.x * inv_rms * w01.x, x.y * inv_rms * w01.y),
+                    float2_to_half2(x.z * inv_rms * w23.x, x.w * inv_rms * w23.y));
+}
 
 // grid (T), block (RMS_THREADS)
 //   residual  fp32 [T, H], updated in place
@@ -47,25 +85,11 @@ add_rmsnorm(float* __restrict__ residual, const float* partials, int num_partial
   for (int item = 0; item < RMS_ITEMS; ++item) {
     const int v = threadIdx.x + item * RMS_THREADS;
     if (v < RMS_VECTORS) {
-      float4 delta = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int p = 0; p < num_partials; ++p) {
-        const float4 d = reinterpret_cast<const float4*>(partials + (long long)p * partial_stride + row * NQ_HIDDEN)[v];
-        delta.x += d.x;
-        delta.y += d.y;
-        delta.z += d.z;
-        delta.w += d.w;
-      }
-      float4 r = residual_row[v];
-      r.x += delta.x;
-      r.y += delta.y;
-      r.z += delta.z;
-      r.w += delta.w;
-      x[item] = r;
-      sum_squares += r.x * r.x + r.y * r.y + r.z * r.z + r.w * r.w;
+      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, v);
+      sum_squares += squares(x[item]);
     }
   }
-  const float mean_square = block_sum<RMS_THREADS>(sum_squares, scratch) / (float)NQ_HIDDEN;
-  const float inv_rms = 1.0f / sqrtf(mean_square + NQ_RMS_EPS);  // IEEE sqrt and division, like numpy
+  const float inv_rms = inverse_rms(block_sum<RMS_THREADS>(sum_squares, scratch));
 
   uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
 #pragma unroll
@@ -73,9 +97,89 @@ add_rmsnorm(float* __restrict__ residual, const float* partials, int num_partial
     const int v = threadIdx.x + item * RMS_THREADS;
     if (v < RMS_VECTORS) {
       residual_row[v] = x[item];
-      const float2 w01 = half2_to_float2(w[item].x), w23 = half2_to_float2(w[item].y);
-      out_row[v] = make_uint2(float2_to_half2(x[item].x * inv_rms * w01.x, x[item].y * inv_rms * w01.y),
-                              float2_to_half2(x[item].z * inv_rms * w23.x, x[item].w * inv_rms * w23.y));
+      out_row[v] = normalized_halves(x[item], inv_rms, w[item]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- decode: a row over a cluster
+//
+// A cluster is a group of blocks that Hopper schedules at the same time on SMs of one GPC and
+// that may read and write each other's shared memory. Block `rank` of the cluster owns float4
+// numbers [rank * CLUSTER_VECTORS, (rank + 1) * CLUSTER_VECTORS) of the row; after its block sum
+// it stores its sum of squares into slot `rank` of every block's `cluster_sums`, and after one
+// cluster barrier every block adds the RMS_CLUSTER slots in rank order, so all of them compute
+// the same inv_rms. The barrier is split: each block announces at its start that it is running
+// (arrive), and waits for the others only just before its remote stores, since a block's shared
+// memory may be written only once the block has started.
+constexpr int RMS_CLUSTER = 8;  // the portable maximum cluster size; nanoqwen/backend_cuda.py mirrors it
+constexpr int CLUSTER_VECTORS = RMS_VECTORS / RMS_CLUSTER;  // float4 per block: 112 for the 7B
+constexpr int CLUSTER_THREADS_WANTED = (CLUSTER_VECTORS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;
+constexpr int CLUSTER_THREADS = CLUSTER_THREADS_WANTED < 1024 ? CLUSTER_THREADS_WANTED : 1024;
+constexpr int CLUSTER_ITEMS = (CLUSTER_VECTORS + CLUSTER_THREADS - 1) / CLUSTER_THREADS;
+static_assert(RMS_VECTORS % RMS_CLUSTER == 0, "hidden_size / 4 must split evenly over the cluster");
+
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// *local_slot's twin in the shared memory of cluster block `rank` = value.
+__device__ __forceinline__ void store_to_cluster_block(float* local_slot, int rank, float value) {
+  unsigned int remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"((unsigned int)__cvta_generic_to_shared(local_slot)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
+}
+
+// grid (T * RMS_CLUSTER), block (CLUSTER_THREADS), clusters of RMS_CLUSTER consecutive blocks;
+// arguments as add_rmsnorm's.
+extern "C" __global__ void __cluster_dims__(RMS_CLUSTER, 1, 1) __launch_bounds__(CLUSTER_THREADS)
+add_rmsnorm_cluster(float* __restrict__ residual, const float* partials, int num_partials, int partial_stride,
+                    const unsigned short* __restrict__ weight, unsigned short* __restrict__ out) {
+  __shared__ float scratch[CLUSTER_THREADS / WARP_SIZE];
+  __shared__ float cluster_sums[RMS_CLUSTER];
+  let_next_kernel_launch();
+  cluster_arrive_relaxed();  // this block runs: the others may store into its shared memory
+  const long long row = blockIdx.x / RMS_CLUSTER;
+  const int rank = blockIdx.x % RMS_CLUSTER;  // %cluster_ctarank: the clusters tile the 1-D grid in order
+  float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
+  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
+  uint2 w[CLUSTER_ITEMS];
+#pragma unroll
+  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
+    const int i = threadIdx.x + item * CLUSTER_THREADS;
+    if (i < CLUSTER_VECTORS) w[item] = __ldg(weight4 + rank * CLUSTER_VECTORS + i);
+  }
+  wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
+
+  float4 x[CLUSTER_ITEMS];
+  float sum_squares = 0.0f;
+#pragma unroll
+  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
+    const int i = threadIdx.x + item * CLUSTER_THREADS;
+    if (i < CLUSTER_VECTORS) {
+      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, rank * CLUSTER_VECTORS + i);
+      sum_squares += squares(x[item]);
+    }
+  }
+  const float block_squares = block_sum<CLUSTER_THREADS>(sum_squares, scratch);
+  cluster_wait_acquire();  // every block of the cluster has started
+  if (threadIdx.x < RMS_CLUSTER) store_to_cluster_block(&cluster_sums[rank], threadIdx.x, block_squares);
+  cluster_arrive_release();
+  cluster_wait_acquire();  // every block's sum is in every block's cluster_sums
+  float total = 0.0f;
+#pragma unroll
+  for (int r = 0; r < RMS_CLUSTER; ++r) total += cluster_sums[r];
+  const float inv_rms = inverse_rms(total);
+
+  uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
+#pragma unroll
+  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
+    const int i = threadIdx.x + item * CLUSTER_THREADS;
+    if (i < CLUSTER_VECTORS) {
+      const int v = rank * CLUSTER_VECTORS + i;
+      residual_row[v] = x[item];
+      out_row[v] = normalized_halves(x[item], inv_rms, w[item]);
     }
   }
 }

@@ -9,15 +9,18 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
 
     embed_tokens                                   state.token -> residual (fp32)
     per layer:
-      add_rmsnorm          residual += down partials of the layer before; normed = norm(residual)
+      add_rmsnorm_cluster  residual += down partials of the layer before; normed = norm(residual)
       gemv_int4_from_hidden    normed -> q|k|v partials (+ bias)               split K
       rope_write_kv        partials -> q (fp32); K, V (fp16) into the cache at state.position
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
       gemv_int4_from_q_dim     attn -> o partials                              split K
-      add_rmsnorm          residual += o partials; normed = norm(residual)
+      add_rmsnorm_cluster  residual += o partials; normed = norm(residual)
       gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
       gemv_int4_from_intermediate  -> down partials                            split K
-    add_rmsnorm (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
+    add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
+
+(add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
+add_rmsnorm takes one block per row.)
 
 Every buffer is allocated in `__init__`; the per-step values (token, position, sequence length,
 page table) live in one device int32 array, `state`, which the host sets with one copy and
@@ -50,11 +53,17 @@ GEMV_THREADS = 32  # one warp per block
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
+RMS_CLUSTER = 8  # blocks of add_rmsnorm_cluster's clusters (kernels/rmsnorm.cu)
 # Split K so that each SM gets about this many GEMV warps (each keeps 7 groups, 7 KB, of weights
 # in flight). Isolated, 12 was fastest for down_proj on an H200 (results/kernels-h200.md); in the
 # decode step, where each GEMV fills its rings while the kernel before it runs, 16 was: 2.030
 # ms/token against 2.074 (12), 2.147 (20) and 2.427 (8) (results/gemv-lab-h200.md, session 4).
 GEMV_WARPS_PER_SM = 16
+# The split-K GEMVs' preferred shared-memory carve-out, in percent of each SM's capacity: with
+# half of it for shared memory an SM holds fewer of their one-warp blocks at once, which made the
+# decode step 11-14 us faster on an H200 (results/gemv-warps-carveout-sweep-h200.json, and
+# results/norm-cluster-h200.json, 2026-11-29); -1 leaves the driver's choice.
+SPLIT_K_CARVEOUT_PERCENT = 50
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -93,8 +102,10 @@ class DeviceLayer:
 
 def block_threads(config) -> dict[str, int]:
     """Threads per block of the kernels whose block size is fixed by their __launch_bounds__."""
+    cluster_vectors = config.hidden_size // 4 // RMS_CLUSTER
     return {
         "add_rmsnorm": min(config.hidden_size // 4, 1024),  # one float4 per thread (rmsnorm.cu)
+        "add_rmsnorm_cluster": min(-(-cluster_vectors // 32) * 32, 1024),  # a block's share of the row, whole warps
         "embed_tokens": min(config.hidden_size // 8, 1024),  # one 16-byte piece per thread
         "rope_write_kv": config.head_dim // 2,  # one rotation pair per thread
         "lm_head_logits": LM_HEAD_THREADS,
@@ -135,6 +146,15 @@ def greedy_token_of(head: np.ndarray) -> int:
 def gate_up_launch(intermediate_size: int) -> tuple[tuple[int], tuple[int]]:
     """(grid, block) of gemv_int4_gate_up_silu: one warp per 16-row tile of gate and of up."""
     return (-(-intermediate_size // TILE_ROWS),), (GEMV_THREADS,)
+
+
+def set_carveout(kernel, percent: int) -> None:
+    """Ask the driver to split each SM's L1/shared capacity so that `percent` of it is shared
+    memory whenever `kernel` runs (-1: the driver's choice)."""
+    import cupy as cp
+
+    cp.cuda.driver.funcSetAttribute(kernel.kernel.ptr, cp.cuda.driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                    percent)
 
 
 def persistent_blocks(kernel, threads: int, num_sms: int) -> int:
@@ -214,11 +234,13 @@ class CudaBackend:
         self.kernels = {
             name: StepKernel(module.get_function(name), name)
             for name in (
-                "embed_tokens", "add_rmsnorm", "gemv_int4_from_hidden", "gemv_int4_from_q_dim",
+                "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "gemv_int4_from_hidden", "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
             )
         }
+        for name in GEMV_KERNELS.values():
+            set_carveout(self.kernels[name], SPLIT_K_CARVEOUT_PERCENT)
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:
@@ -342,6 +364,15 @@ class CudaBackend:
              weight, out),
         )
 
+    def _add_rmsnorm_row(self, partials, num_partials: int, weight) -> None:
+        """Decode's residual update and norm: the one row of `residual` over a cluster of
+        RMS_CLUSTER blocks (add_rmsnorm_cluster), normalised into `normed`."""
+        self.kernels["add_rmsnorm_cluster"](
+            (RMS_CLUSTER,), (self.threads["add_rmsnorm_cluster"],),
+            (self.residual, NULL if num_partials == 0 else partials, np.int32(num_partials),
+             np.int32(self.config.hidden_size), weight, self.normed),
+        )
+
     def _gemv(self, kernel: str, linear: DeviceLinear, x, partials) -> None:
         units = -(-linear.out_features // TILE_ROWS) * linear.splits
         self.kernels[kernel](
@@ -408,22 +439,21 @@ class CudaBackend:
         CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the greedy
         token and the advanced position.
         """
-        c, k = self.config, self.kernels
-        H = c.hidden_size
+        k = self.kernels
         with stream:
             k["embed_tokens"]((1,), (self.threads["embed_tokens"],), (self.token, self.embed, self.residual))
             partials, num_partials = self.down_partials, 0  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
-                self._add_rmsnorm(self.residual, partials, num_partials, H, layer.input_norm, self.normed, 1)
+                self._add_rmsnorm_row(partials, num_partials, layer.input_norm)
                 qkv, num_qkv = self._project(i, "qkv", self.normed, self.qkv_partials)
                 self._rope_write_kv(qkv, num_qkv, layer.qkv.out_features, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
                 o, num_o = self._project(i, "o", self.attn_out, self.o_partials)
-                self._add_rmsnorm(self.residual, o, num_o, H, layer.post_norm, self.normed, 1)
+                self._add_rmsnorm_row(o, num_o, layer.post_norm)
                 self._mlp_hidden(i)
                 partials, num_partials = self._project(i, "down", self.mlp_hidden, self.down_partials)
-            self._add_rmsnorm(self.residual, partials, num_partials, H, self.final_norm, self.normed, 1)
+            self._add_rmsnorm_row(partials, num_partials, self.final_norm)
             self._lm_head()
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),

@@ -34,7 +34,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, CudaBackend, block_threads, gate_up_launch, gemv_splits,
+    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, TILE_ROWS, CudaBackend, block_threads, gate_up_launch,
+    gemv_splits,
     persistent_blocks,
 )
 
@@ -114,7 +115,9 @@ def checked_rows(rng, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 @pytest.mark.parametrize("rows, num_partials", [(1, 0), (1, 8), (5, 1), (3, 3)])
-def test_add_rmsnorm(config_name, rows, num_partials):
+@pytest.mark.parametrize("name", ["add_rmsnorm", "add_rmsnorm_cluster"])
+def test_add_rmsnorm(config_name, rows, num_partials, name):
+    """One block per row, and decode's form: each row over a cluster of RMS_CLUSTER blocks."""
     c = CONFIGS[config_name]
     rng = np.random.default_rng([rows, num_partials, c.hidden_size])
     h = c.hidden_size
@@ -123,8 +126,9 @@ def test_add_rmsnorm(config_name, rows, num_partials):
     weight = (1 + 0.1 * rng.standard_normal(h)).astype(np.float16)
     residual_dev = cp.asarray(residual)
     out = poisoned((rows, h), cp.float16)
-    kernel(config_name, "add_rmsnorm")(
-        (rows,), (block_threads(c)["add_rmsnorm"],),
+    blocks = rows * (RMS_CLUSTER if name == "add_rmsnorm_cluster" else 1)
+    kernel(config_name, name)(
+        (blocks,), (block_threads(c)[name],),
         (residual_dev, cp.asarray(partials) if num_partials else NULL, np.int32(num_partials), np.int32(rows * h),
          cp.asarray(weight), out),
     )

@@ -318,7 +318,7 @@ def test_capture_failure_leaves_the_mode_off(driver):
 
 DECODE_KERNELS = {  # kernel -> file, every kernel a decode step can launch (Path B and Path A)
     **{name: "elementwise.cu" for name in ("embed_tokens", "rope_write_kv", "silu_mul_rows")},
-    "add_rmsnorm": "rmsnorm.cu",
+    "add_rmsnorm_cluster": "rmsnorm.cu",
     **{name: "gemv_int4.cu" for name in ("gemv_int4_from_hidden", "gemv_int4_from_q_dim",
                                           "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu")},
     "lm_head_logits": "lm_head.cu",

@@ -8,7 +8,7 @@ after a 512-token prompt, for each combination of
     NQ_SPLIT_K_STAGES   ring slots of the split-K GEMVs (qkv, o, down) (compile time)
     warps per SM        the split-K target of backend_cuda.gemv_splits  (launch time)
     carve-out           the preferred share of each SM's shared memory capacity, in percent, set
-                        on the split-K GEMVs (-1: the driver's choice, the default); it caps how
+                        on the split-K GEMVs (-1: the driver's choice; the engine's default is 50); it caps how
                         many of their one-warp blocks an SM holds at once
 swapping only the four GEMV kernels and the splits of one CudaBackend. Rounds alternate the
 variants, so drift shows as spread, not as a difference. Every variant's logits are compared with
@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_KERNELS, GEMV_WARPS_PER_SM, CudaBackend, gemv_splits  # noqa: E402
+from nanoqwen.backend_cuda import (  # noqa: E402
+    GEMV_KERNELS, GEMV_WARPS_PER_SM, SPLIT_K_CARVEOUT_PERCENT, CudaBackend, gemv_splits, set_carveout,
+)
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, step_timing_record, time_decode_steps  # noqa: E402
 from nanoqwen.cuda_launch import StepKernel  # noqa: E402
@@ -45,14 +47,11 @@ GEMV_KERNEL_NAMES = (*GEMV_KERNELS.values(), "gemv_int4_gate_up_silu")
 def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) -> None:
     """Point `backend` at this module's GEMV kernels, this split-K target and this carve-out; the
     decode graph is captured again at its next use."""
-    import cupy as cp
-
     c = backend.config
     for name in GEMV_KERNEL_NAMES:
         backend.kernels[name] = StepKernel(module.get_function(name), name)
     for name in GEMV_KERNELS.values():
-        cp.cuda.driver.funcSetAttribute(backend.kernels[name].kernel.ptr,
-                                        cp.cuda.driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
+        set_carveout(backend.kernels[name], carveout)
     for linear in backend._linears():
         linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm)
     backend._allocate_decode_buffers()  # the partial-sum buffers follow the splits
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gate-up-stages", type=int, nargs="+", default=[4, 5, 6, 7, 8])
     parser.add_argument("--split-k-stages", type=int, nargs="+", default=[3, 4, 5, 6])
     parser.add_argument("--warps-per-sm", type=int, nargs="+", default=[GEMV_WARPS_PER_SM])
-    parser.add_argument("--carveout", type=int, nargs="+", default=[-1])
+    parser.add_argument("--carveout", type=int, nargs="+", default=[SPLIT_K_CARVEOUT_PERCENT])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args(argv)
