@@ -54,18 +54,29 @@ rope_write_kv(const float* qkv_partials, int num_partials, int partial_stride,
               const int* positions_base, const float* __restrict__ inv_freq,
               const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer, float* __restrict__ q_out) {
   let_next_kernel_launch();
-  wait_for_previous_kernel();  // the partials are the projection's output
   const int token = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
-  const int position = positions_base[0] + token;
-  const long long row = (long long)token * NQ_QKV_DIM;
-  float c, s;
-  sincosf((float)position * inv_freq[i], &s, &c);
-
   const bool is_query = head < NQ_NUM_HEADS;
   const int kv_head = head - NQ_NUM_HEADS;
+  // The position and the page table are the step's inputs, set before it began (by the host, or
+  // by the previous step's argmax_select_next), never by a kernel before this one: read them and
+  // compute the rotation while the projection still runs, so that after the wait only the
+  // partial sums are loaded.
+  const int position = positions_base[0] + token;
+  float c, s;
+  sincosf((float)position * inv_freq[i], &s, &c);
+  const long long page = is_query ? 0 : page_table[position / NQ_PAGE_SIZE];
+  wait_for_previous_kernel();  // the partials are the projection's output
+
+  const long long row = (long long)token * NQ_QKV_DIM;
   const long long first = row + (is_query ? head * NQ_HEAD_DIM : NQ_Q_DIM + kv_head * NQ_HEAD_DIM);
   const float x1 = sum_partials(qkv_partials, num_partials, partial_stride, first + i);
   const float x2 = sum_partials(qkv_partials, num_partials, partial_stride, first + i + NQ_HEAD_DIM / 2);
+  float v1 = 0.0f, v2 = 0.0f;  // a KV head's V, loaded with its K: one round trip to L2, not two
+  if (!is_query) {
+    const long long v_first = row + NQ_Q_DIM + NQ_KV_DIM + kv_head * NQ_HEAD_DIM;
+    v1 = sum_partials(qkv_partials, num_partials, partial_stride, v_first + i);
+    v2 = sum_partials(qkv_partials, num_partials, partial_stride, v_first + i + NQ_HEAD_DIM / 2);
+  }
   const float rotated1 = x1 * c - x2 * s, rotated2 = x2 * c + x1 * s;
 
   if (is_query) {
@@ -74,17 +85,14 @@ rope_write_kv(const float* qkv_partials, int num_partials, int partial_stride,
     q[i + NQ_HEAD_DIM / 2] = rotated2;
     return;
   }
-  const long long page = page_table[position / NQ_PAGE_SIZE];
   const int slot = position % NQ_PAGE_SIZE;
   // [page][K or V][kv_head][slot][dim]
   unsigned short* k = kv_layer + (((page * 2 + 0) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
   unsigned short* v = kv_layer + (((page * 2 + 1) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
   k[i] = float_to_half(rotated1);
   k[i + NQ_HEAD_DIM / 2] = float_to_half(rotated2);
-  const long long v_first = row + NQ_Q_DIM + NQ_KV_DIM + kv_head * NQ_HEAD_DIM;
-  v[i] = float_to_half(sum_partials(qkv_partials, num_partials, partial_stride, v_first + i));
-  v[i + NQ_HEAD_DIM / 2] =
-      float_to_half(sum_partials(qkv_partials, num_partials, partial_stride, v_first + i + NQ_HEAD_DIM / 2));
+  v[i] = float_to_half(v1);
+  v[i + NQ_HEAD_DIM / 2] = float_to_half(v2);
 }
 
 // ---------------------------------------------------------------- SwiGLU for prefill
