@@ -36,7 +36,7 @@ GROUPS = {
     "q|k|v GEMV": [GEMV_KERNELS["qkv"]],
     "o GEMV": [GEMV_KERNELS["o"]],
     "attention": ["attention"],
-    "add_rmsnorm": ["add_rmsnorm"],
+    "add_rmsnorm": ["add_rmsnorm_cluster"],
     "rope_write_kv": ["rope_write_kv"],
     "lm_head + argmax": ["lm_head_logits", "argmax_select_next"],
     "embed_tokens": ["embed_tokens"],
