@@ -55,6 +55,49 @@ __device__ __forceinline__ uint2 normalized_halves(float4 x, float inv_rms, uint
                     float2_to_half2(x.z * inv_rms * w23.x, x.w * inv_rms * w23.y));
 }
 
+// A block's slice of a row: float4 numbers [first, first + VECTORS), ITEMS per thread, so that
+// both kernels below read the weights before their wait and keep the row in registers.
+template <int THREADS, int VECTORS, int ITEMS>
+__device__ __forceinline__ void load_weight_slice(const unsigned short* weight, int first, uint2 (&w)[ITEMS]) {
+  const uint2* weight4 = reinterpret_cast<const uint2*>(weight) + first;
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {
+    const int i = threadIdx.x + item * THREADS;
+    if (i < VECTORS) w[item] = __ldg(weight4 + i);
+  }
+}
+
+// The slice's updated residual into x; returns this thread's sum of squares.
+template <int THREADS, int VECTORS, int ITEMS>
+__device__ __forceinline__ float update_slice(const float4* residual_row, const float* partials, int num_partials,
+                                              int partial_stride, long long row, int first, float4 (&x)[ITEMS]) {
+  float sum_squares = 0.0f;
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {
+    const int i = threadIdx.x + item * THREADS;
+    if (i < VECTORS) {
+      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, first + i);
+      sum_squares += squares(x[item]);
+    }
+  }
+  return sum_squares;
+}
+
+// The slice's residual written back and its normalized values out.
+template <int THREADS, int VECTORS, int ITEMS>
+__device__ __forceinline__ void store_slice(float4* residual_row, unsigned short* out, long long row, int first,
+                                            const float4 (&x)[ITEMS], const uint2 (&w)[ITEMS], float inv_rms) {
+  uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {
+    const int i = threadIdx.x + item * THREADS;
+    if (i < VECTORS) {
+      residual_row[first + i] = x[item];
+      out_row[first + i] = normalized_halves(x[item], inv_rms, w[item]);
+    }
+  }
+}
+
 // grid (T), block (RMS_THREADS)
 //   residual  fp32 [T, H], updated in place
 //   partials  fp32 [num_partials][T, H]: slice p of row t starts at p * partial_stride + t * H
@@ -69,37 +112,15 @@ add_rmsnorm(float* __restrict__ residual, const float* partials, int num_partial
   let_next_kernel_launch();
   const long long row = blockIdx.x;
   float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
-  // The norm's weights are no kernel's output: fetch them while the kernel before finishes.
-  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
-  uint2 w[RMS_ITEMS];
-#pragma unroll
-  for (int item = 0; item < RMS_ITEMS; ++item) {
-    const int v = threadIdx.x + item * RMS_THREADS;
-    if (v < RMS_VECTORS) w[item] = __ldg(weight4 + v);
-  }
+  uint2 w[RMS_ITEMS];  // the norm's weights are no kernel's output: fetched while the kernel before finishes
+  load_weight_slice<RMS_THREADS, RMS_VECTORS>(weight, 0, w);
   wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
 
   float4 x[RMS_ITEMS];
-  float sum_squares = 0.0f;
-#pragma unroll
-  for (int item = 0; item < RMS_ITEMS; ++item) {
-    const int v = threadIdx.x + item * RMS_THREADS;
-    if (v < RMS_VECTORS) {
-      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, v);
-      sum_squares += squares(x[item]);
-    }
-  }
+  const float sum_squares =
+      update_slice<RMS_THREADS, RMS_VECTORS>(residual_row, partials, num_partials, partial_stride, row, 0, x);
   const float inv_rms = inverse_rms(block_sum<RMS_THREADS>(sum_squares, scratch));
-
-  uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
-#pragma unroll
-  for (int item = 0; item < RMS_ITEMS; ++item) {
-    const int v = threadIdx.x + item * RMS_THREADS;
-    if (v < RMS_VECTORS) {
-      residual_row[v] = x[item];
-      out_row[v] = normalized_halves(x[item], inv_rms, w[item]);
-    }
-  }
+  store_slice<RMS_THREADS, RMS_VECTORS>(residual_row, out, row, 0, x, w, inv_rms);
 }
 
 // ---------------------------------------------------------------- decode: a row over a cluster
@@ -142,26 +163,15 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* partials, int num
   cluster_arrive_relaxed();  // this block runs: the others may store into its shared memory
   const long long row = blockIdx.x / RMS_CLUSTER;
   const int rank = blockIdx.x % RMS_CLUSTER;  // %cluster_ctarank: the clusters tile the 1-D grid in order
+  const int first = rank * CLUSTER_VECTORS;
   float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
-  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
   uint2 w[CLUSTER_ITEMS];
-#pragma unroll
-  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
-    const int i = threadIdx.x + item * CLUSTER_THREADS;
-    if (i < CLUSTER_VECTORS) w[item] = __ldg(weight4 + rank * CLUSTER_VECTORS + i);
-  }
+  load_weight_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(weight, first, w);
   wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
 
   float4 x[CLUSTER_ITEMS];
-  float sum_squares = 0.0f;
-#pragma unroll
-  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
-    const int i = threadIdx.x + item * CLUSTER_THREADS;
-    if (i < CLUSTER_VECTORS) {
-      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, rank * CLUSTER_VECTORS + i);
-      sum_squares += squares(x[item]);
-    }
-  }
+  const float sum_squares =
+      update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual_row, partials, num_partials, partial_stride, row, first, x);
   const float block_squares = block_sum<CLUSTER_THREADS>(sum_squares, scratch);
   cluster_wait_acquire();  // every block of the cluster has started
   if (threadIdx.x < RMS_CLUSTER) store_to_cluster_block(&cluster_sums[rank], threadIdx.x, block_squares);
@@ -170,16 +180,5 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* partials, int num
   float total = 0.0f;
 #pragma unroll
   for (int r = 0; r < RMS_CLUSTER; ++r) total += cluster_sums[r];
-  const float inv_rms = inverse_rms(total);
-
-  uint2* out_row = reinterpret_cast<uint2*>(out + row * NQ_HIDDEN);
-#pragma unroll
-  for (int item = 0; item < CLUSTER_ITEMS; ++item) {
-    const int i = threadIdx.x + item * CLUSTER_THREADS;
-    if (i < CLUSTER_VECTORS) {
-      const int v = rank * CLUSTER_VECTORS + i;
-      residual_row[v] = x[item];
-      out_row[v] = normalized_halves(x[item], inv_rms, w[item]);
-    }
-  }
+  store_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual_row, out, row, first, x, w, inverse_rms(total));
 }
