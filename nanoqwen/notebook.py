@@ -21,10 +21,12 @@ def show(obj) -> None:
 
 
 def markdown_table(header, rows) -> str:
-    """A Markdown table from a header and rows of already formatted cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    """A Markdown table from a header and rows of already formatted cells; a `|` inside a cell
+    (a kernel named q|k|v, say) is escaped so that it does not split the cell."""
+    def line(cells) -> str:
+        return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *(line(row) for row in rows)])
 
 
 def table(header, rows) -> None:

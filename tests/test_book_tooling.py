@@ -253,3 +253,11 @@ def test_kernels_ship_as_nanoqwen_kernels():
     sources = {p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".h")}
     shipped = {p.name for p in kernels.iterdir()}
     assert sources <= shipped, f"kernel sources not visible through nanoqwen.kernels: {sorted(sources - shipped)}"
+
+
+def test_markdown_tables_escape_pipes_inside_cells():
+    """A cell naming the q|k|v projection stays one cell in the rendered table."""
+    from nanoqwen.notebook import markdown_table
+
+    lines = markdown_table(["kernel", "µs"], [["without q|k|v GEMV", 28]]).splitlines()
+    assert lines == ["| kernel | µs |", "|---|---|", "| without q\\|k\\|v GEMV | 28 |"]
