@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -161,6 +162,17 @@ def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
         "steps_per_timing": TIMING_STEPS,
         "rows": rows,
     }
+
+
+def report_step_timings(tool: str, argv: list[str], rows: list[dict], header: list[str], cells: list[list],
+                        json_path=None) -> None:
+    """Print a step-level tool's results as a Markdown table (`cells`, one list per row, under
+    `header`) and, given `json_path`, write `rows` there as a step_timing_record."""
+    from .notebook import markdown_table
+
+    print(markdown_table(header, cells))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(step_timing_record(tool, argv, rows), indent=1))
 
 
 def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:

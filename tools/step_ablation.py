@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, prompted_backend, step_timing_record, time_decode_steps  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 # group name -> kernels left out of the captured step ("attention" is the attention object's decode)
 GROUPS = {
@@ -117,13 +116,12 @@ def main(argv=None) -> int:
         saved_us = (whole - ms) * 1e3
         rows.append({"variant": variant, "ms_per_step": ms, "runs_ms": times[variant], "launches_removed": launches,
                      "saved_us": saved_us, "saved_us_per_launch": saved_us / launches if launches else None})
-    print("| graph | ms per step (median) | saved µs | launches left out | saved µs per launch |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        per_launch = "" if r["saved_us_per_launch"] is None else f"{r['saved_us_per_launch']:.2f}"
-        print(f"| {r['variant']} | {r['ms_per_step']:.4f} | {r['saved_us']:.0f} | {r['launches_removed']} | {per_launch} |")
-    if args.json:
-        args.json.write_text(json.dumps(step_timing_record("tools/step_ablation.py", argv or sys.argv[1:], rows), indent=1))
+    report_step_timings(
+        "tools/step_ablation.py", argv or sys.argv[1:], rows,
+        ["graph", "ms per step (median)", "saved µs", "launches left out", "saved µs per launch"],
+        [[r["variant"], f"{r['ms_per_step']:.4f}", f"{r['saved_us']:.0f}", r["launches_removed"],
+          "" if r["saved_us_per_launch"] is None else f"{r['saved_us_per_launch']:.2f}"] for r in rows],
+        args.json)
     model.close()
     return 0
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ from nanoqwen.backend_cuda import (  # noqa: E402
     GEMV_KERNELS, GEMV_WARPS_PER_SM, SPLIT_K_CARVEOUT_PERCENT, CudaBackend, gemv_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, prompted_backend, step_timing_record, time_decode_steps  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
 from nanoqwen.cuda_launch import StepKernel  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
@@ -100,14 +99,13 @@ def main(argv=None) -> int:
              "ms_per_step": statistics.median(times[v]), "runs_ms": times[v], "max_logit_diff": logit_diff[v]}
             for v in variants]
     rows.sort(key=lambda r: r["ms_per_step"])
-    print("| gate+up stages | split-K stages | warps/SM | carve-out | ms per step (median) | spread | max logit diff vs first |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        spread = max(r["runs_ms"]) - min(r["runs_ms"])
-        print(f"| {r['gate_up_stages']} | {r['split_k_stages']} | {r['warps_per_sm']} | {r['carveout']} | {r['ms_per_step']:.4f} | "
-              f"{spread:.4f} | {r['max_logit_diff']:.2e} |")
-    if args.json:
-        args.json.write_text(json.dumps(step_timing_record("tools/sweep_gemv_stages.py", argv or sys.argv[1:], rows), indent=1))
+    report_step_timings(
+        "tools/sweep_gemv_stages.py", argv or sys.argv[1:], rows,
+        ["gate+up stages", "split-K stages", "warps/SM", "carve-out", "ms per step (median)", "spread",
+         "max logit diff vs first"],
+        [[r["gate_up_stages"], r["split_k_stages"], r["warps_per_sm"], r["carveout"], f"{r['ms_per_step']:.4f}",
+          f"{max(r['runs_ms']) - min(r['runs_ms']):.4f}", f"{r['max_logit_diff']:.2e}"] for r in rows],
+        args.json)
     model.close()
     return 0
 
