@@ -357,20 +357,15 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ launches
 
-    def _add_rmsnorm(self, residual, partials, num_partials: int, partial_stride: int, weight, out, rows: int) -> None:
-        self.kernels["add_rmsnorm"](
-            (rows,), (self.threads["add_rmsnorm"],),
+    def _add_rmsnorm(self, residual, partials, num_partials: int, partial_stride: int, weight, out, rows: int,
+                     cluster: bool = False) -> None:
+        """residual += the partials; out = norm(residual), for `rows` rows: one block per row, or
+        with `cluster` (decode) each row over a cluster of RMS_CLUSTER blocks (add_rmsnorm_cluster)."""
+        kernel, blocks_per_row = ("add_rmsnorm_cluster", RMS_CLUSTER) if cluster else ("add_rmsnorm", 1)
+        self.kernels[kernel](
+            (rows * blocks_per_row,), (self.threads[kernel],),
             (residual, NULL if num_partials == 0 else partials, np.int32(num_partials), np.int32(partial_stride),
              weight, out),
-        )
-
-    def _add_rmsnorm_row(self, partials, num_partials: int, weight) -> None:
-        """Decode's residual update and norm: the one row of `residual` over a cluster of
-        RMS_CLUSTER blocks (add_rmsnorm_cluster), normalised into `normed`."""
-        self.kernels["add_rmsnorm_cluster"](
-            (RMS_CLUSTER,), (self.threads["add_rmsnorm_cluster"],),
-            (self.residual, NULL if num_partials == 0 else partials, np.int32(num_partials),
-             np.int32(self.config.hidden_size), weight, self.normed),
         )
 
     def _gemv(self, kernel: str, linear: DeviceLinear, x, partials) -> None:
@@ -439,21 +434,21 @@ class CudaBackend:
         CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the greedy
         token and the advanced position.
         """
-        k = self.kernels
+        k, H = self.kernels, self.config.hidden_size
         with stream:
             k["embed_tokens"]((1,), (self.threads["embed_tokens"],), (self.token, self.embed, self.residual))
             partials, num_partials = self.down_partials, 0  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
-                self._add_rmsnorm_row(partials, num_partials, layer.input_norm)
+                self._add_rmsnorm(self.residual, partials, num_partials, H, layer.input_norm, self.normed, 1, cluster=True)
                 qkv, num_qkv = self._project(i, "qkv", self.normed, self.qkv_partials)
                 self._rope_write_kv(qkv, num_qkv, layer.qkv.out_features, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
                 o, num_o = self._project(i, "o", self.attn_out, self.o_partials)
-                self._add_rmsnorm_row(o, num_o, layer.post_norm)
+                self._add_rmsnorm(self.residual, o, num_o, H, layer.post_norm, self.normed, 1, cluster=True)
                 self._mlp_hidden(i)
                 partials, num_partials = self._project(i, "down", self.mlp_hidden, self.down_partials)
-            self._add_rmsnorm_row(partials, num_partials, self.final_norm)
+            self._add_rmsnorm(self.residual, partials, num_partials, H, self.final_norm, self.normed, 1, cluster=True)
             self._lm_head()
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
