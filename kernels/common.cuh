@@ -91,16 +91,6 @@ __device__ __forceinline__ uint4 load_weights_16B(const void* address) {
   return v;
 }
 
-// Activations: small, read by every warp, so let them live in L1. They are the previous
-// kernel's output, so the load is an ordinary coherent one, never ld.global.nc (__ldg): ptxas
-// moves non-coherent loads across griddepcontrol.wait (see the section on programmatic
-// dependent launch above). A plain C++ load through a pointer without __restrict__ compiles to
-// ld.global, which neither the compiler (the wait is volatile asm with a memory clobber) nor
-// ptxas moves above the wait, and which they may otherwise schedule freely.
-__device__ __forceinline__ uint4 load_activations_16B(const void* address) {
-  return *reinterpret_cast<const uint4*>(address);
-}
-
 // ---------------------------------------------------------------- reductions
 
 // Butterfly sum: after step `offset`, each lane holds the sum of a block of 2*offset lanes;
