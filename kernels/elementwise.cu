@@ -29,29 +29,20 @@ embed_tokens(const int* token_ids, const uint4* __restrict__ table, float4* __re
 
 // ---------------------------------------------------------------- RoPE and the cache write
 // Reference: ops_numpy.apply_rope on q and k, then ops_numpy.write_kv.
-// The fused q|k|v projection arrives as `num_partials` fp32 slices (gemv_int4.cu's split K,
-// bias already added); token t sits at position positions_base[0] + t, read from device memory
+// The fused q|k|v projection arrives in fp32, its bias already added; token t sits at position positions_base[0] + t, read from device memory
 // so the same launch serves every decode step. Query heads are rotated into q_out (fp32, for
 // attention); each KV head's rotated K and plain V go as fp16 straight into the token's page:
 // page_table[pos / 16], row pos % 16.
 // grid (T, NUM_HEADS + NUM_KV_HEADS), block (HEAD_DIM / 2): thread i rotates dims i, i + D/2.
-//   qkv_partials fp32 [num_partials][T, QKV]   (slice p of row t at p * partial_stride + t * QKV)
+//   qkv          fp32 [T, QKV]
 //   inv_freq     fp32 [D/2]   (ops_numpy.rope_inv_freq, computed once on the host)
 //   page_table   int32 [pages of the sequence]
 //   kv_layer     fp16 [num_pages, 2, KVH, 16, D]   (one layer of the pool)
 //   q_out        fp32 [T, Q_DIM]
 constexpr int ROPE_THREADS = NQ_HEAD_DIM / 2;
 
-__device__ __forceinline__ float sum_partials(const float* partials, int num_partials, int partial_stride,
-                                              long long index) {
-  float value = 0.0f;
-  for (int p = 0; p < num_partials; ++p) value += partials[(long long)p * partial_stride + index];
-  return value;
-}
-
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
-rope_write_kv(const float* qkv_partials, int num_partials, int partial_stride,
-              const int* positions_base, const float* __restrict__ inv_freq,
+rope_write_kv(const float* qkv, const int* positions_base, const float* __restrict__ inv_freq,
               const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer, float* __restrict__ q_out) {
   let_next_kernel_launch();
   const int token = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
@@ -60,22 +51,21 @@ rope_write_kv(const float* qkv_partials, int num_partials, int partial_stride,
   // The position and the page table are the step's inputs, set before it began (by the host, or
   // by the previous step's argmax_select_next), never by a kernel before this one: read them and
   // compute the rotation while the projection still runs, so that after the wait only the
-  // partial sums are loaded.
+  // projection's output is loaded.
   const int position = positions_base[0] + token;
   float c, s;
   sincosf((float)position * inv_freq[i], &s, &c);
   const long long page = is_query ? 0 : page_table[position / NQ_PAGE_SIZE];
-  wait_for_previous_kernel();  // the partials are the projection's output
+  wait_for_previous_kernel();  // qkv is the projection's output
 
   const long long row = (long long)token * NQ_QKV_DIM;
   const long long first = row + (is_query ? head * NQ_HEAD_DIM : NQ_Q_DIM + kv_head * NQ_HEAD_DIM);
-  const float x1 = sum_partials(qkv_partials, num_partials, partial_stride, first + i);
-  const float x2 = sum_partials(qkv_partials, num_partials, partial_stride, first + i + NQ_HEAD_DIM / 2);
+  const float x1 = qkv[first + i], x2 = qkv[first + i + NQ_HEAD_DIM / 2];
   float v1 = 0.0f, v2 = 0.0f;  // a KV head's V, loaded with its K: one round trip to L2, not two
   if (!is_query) {
     const long long v_first = row + NQ_Q_DIM + NQ_KV_DIM + kv_head * NQ_HEAD_DIM;
-    v1 = sum_partials(qkv_partials, num_partials, partial_stride, v_first + i);
-    v2 = sum_partials(qkv_partials, num_partials, partial_stride, v_first + i + NQ_HEAD_DIM / 2);
+    v1 = qkv[v_first + i];
+    v2 = qkv[v_first + i + NQ_HEAD_DIM / 2];
   }
   const float rotated1 = x1 * c - x2 * s, rotated2 = x2 * c + x1 * s;
 

@@ -42,15 +42,18 @@
 // wait_for_previous_kernel(), and x, which the previous kernel writes, is copied after it.
 //
 // Split K: a 16-row tile of a 3584-wide matrix is only 28 KB, and q/k/v/o have too few tiles to
-// give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, one
-// warp per (tile, split), and each writes an fp32 partial sum; the consumer adds the partials
-// (rmsnorm.cu's add_rmsnorm, elementwise.cu's rope_write_kv). No atomics: the result is
-// deterministic.
+// give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, and a
+// block of `splits` warps takes one tile, one range per warp; the warps add their sums in split
+// order through shared memory, and the block writes each row once, in fp32. No atomics: the
+// result is deterministic. Until session 7 each warp was a block of its own that wrote a partial
+// sum, and the next kernel (add_rmsnorm, rope_write_kv) added the 7 or 10 partials from L2: on
+// the decode step's critical path, and in round trips one after another.
 #include "common.cuh"
 
 constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
-constexpr int GEMV_THREADS = 32;  // one warp per block: tiny blocks spread evenly over the SMs
+constexpr int GEMV_THREADS = 32;  // gate+up: one warp per block, tiny blocks spread evenly over the SMs
+constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/backend_cuda.py mirrors it
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
 // group). The best depths were found inside the decode step, where each GEMV fills its
@@ -123,6 +126,13 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
+// One warp's shared-memory ring: STAGES groups of weights (TILES tiles of 16 rows) and of x.
+template <int STAGES, int TILES>
+struct GemvRing {
+  uint4 weights[STAGES][TILES][2][WARP_SIZE];
+  uint4 x[STAGES][X_PIECES_PER_GROUP];
+};
+
 // For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the dot
 // products of rows rows[tile][0] (= row g of the tile) and rows[tile][1] (= row g + 8) with x
 // over the groups [group_begin, group_end).
@@ -144,15 +154,16 @@ __device__ __forceinline__ void copy_async_wait() {
 // with no weights loaded at all (session 4). With the row-major weights a deeper ring (8) won
 // inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
 // in front still runs; with the tiled weights the step is fastest with 6 slots for gate+up and 4
-// for the split-K GEMVs (session 5). One warp per block: the ring is the block's shared memory.
+// for the split-K GEMVs (session 5). `ring` is this warp's own.
 template <int K, int TILES, int STAGES>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* x, const int (&rows)[TILES][2],
-                                              int group_begin, int group_end, float (&acc)[TILES][2]) {
+                                              int group_begin, int group_end, GemvRing<STAGES, TILES>& ring,
+                                              float (&acc)[TILES][2]) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  __shared__ uint4 weight_ring[STAGES][TILES][2][WARP_SIZE];
-  __shared__ uint4 x_ring[STAGES][X_PIECES_PER_GROUP];
+  auto& weight_ring = ring.weights;
+  auto& x_ring = ring.x;
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
   unsigned short scale_ring[STAGES][TILES][2];
@@ -239,47 +250,54 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 #undef NQ_FETCH_GROUP
 }
 
-// Warp `unit` of the grid computes split `unit % splits` of tile `unit / splits` and writes
-// partials[split][row] for its 16 rows; split 0 adds the bias.
+// Block `tile` computes rows [16 tile, 16 tile + 16) of y = W x (+ bias): its warp `split` of
+// `splits` (the block's warps) multiplies input groups [split G / splits, (split + 1) G / splits)
+// into its own ring, and after one barrier the block's first 16 threads add the warps' sums in
+// split order, split 0 with the bias, and write the rows.
 //   qweight uint32 [ceil(n_rows / 16), K/128, 16, 16] (quant.tile_int4), scales fp16 [n_rows, K/128],
-//   bias fp16 [n_rows] or null, x fp16 [K], partials fp32 [splits, n_rows]
+//   bias fp16 [n_rows] or null, x fp16 [K], y fp32 [n_rows]
+//   dynamic shared memory: splits x sizeof(SplitKRing), the warps' rings
+using SplitKRing = GemvRing<NQ_SPLIT_K_STAGES, 1>;
+__device__ int gemv_split_k_ring_bytes = sizeof(SplitKRing);  // read by the host to size the launch
+
 template <int K>
-__device__ __forceinline__ void gemv_int4_partials(const unsigned int* __restrict__ qweight,
-                                                   const unsigned short* __restrict__ scales,
-                                                   const unsigned short* __restrict__ bias,
-                                                   const unsigned short* x, float* __restrict__ partials,
-                                                   int n_rows, int splits) {
+__device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict__ qweight,
+                                                  const unsigned short* __restrict__ scales,
+                                                  const unsigned short* __restrict__ bias,
+                                                  const unsigned short* x, float* __restrict__ y, int n_rows) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  extern __shared__ __align__(16) unsigned char gemv_shared[];
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][TILE_ROWS];
   let_next_kernel_launch();
-  const int num_tiles = (n_rows + TILE_ROWS - 1) / TILE_ROWS;
-  const int wanted_unit = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-  // A warp past the last unit repeats the last one and writes nothing: it must still reach the
-  // wait inside int4_tile_dot (common.cuh, programmatic dependent launch).
-  const int unit = min(wanted_unit, num_tiles * splits - 1);
-  const int tile = unit / splits, split = unit % splits;
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
   // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   float acc[1][2] = {{0.0f, 0.0f}};
   int4_tile_dot<K, 1, NQ_SPLIT_K_STAGES>(qweight, scales, x, rows, split * GROUPS / splits,
-                                         (split + 1) * GROUPS / splits, acc);
-  if (lane % 4 == 0 && wanted_unit == unit) {
-    float* out = partials + (long long)split * n_rows;
-    const bool add_bias = bias != nullptr && split == 0;
-    if (row0 < n_rows) out[row0] = acc[0][0] + (add_bias ? half_to_float(bias[row0]) : 0.0f);
-    if (row1 < n_rows) out[row1] = acc[0][1] + (add_bias ? half_to_float(bias[row1]) : 0.0f);
+                                         (split + 1) * GROUPS / splits,
+                                         reinterpret_cast<SplitKRing*>(gemv_shared)[split], acc);
+  if (lane % 4 == 0) {
+    split_sums[split][lane / 4] = acc[0][0];
+    split_sums[split][lane / 4 + 8] = acc[0][1];
+  }
+  __syncthreads();
+  const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
+  if (threadIdx.x < TILE_ROWS && row < n_rows) {
+    float sum = split_sums[0][threadIdx.x] + (bias != nullptr ? half_to_float(bias[row]) : 0.0f);
+    for (int s = 1; s < splits; ++s) sum += split_sums[s][threadIdx.x];
+    y[row] = sum;
   }
 }
 
 // One kernel per input width, so that K is a compile-time constant in each.
-// grid (ceil(ceil(n_rows / 16) * splits / warps per block)), block (GEMV_THREADS)
+// grid (ceil(n_rows / 16)), block (32 splits, splits <= SPLIT_K_MAX_WARPS), splits rings of shared memory
 #define NQ_GEMV_INT4_KERNEL(NAME, K)                                                                       \
-  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 16)                                           \
+  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
-           const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ partials, \
-           int n_rows, int splits) {                                                                       \
-    gemv_int4_partials<K>(qweight, scales, bias, x, partials, n_rows, splits);                             \
+           const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
+           int n_rows) {                                                                                   \
+    gemv_int4_split_k<K>(qweight, scales, bias, x, y, n_rows);                                             \
   }
 
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN)
@@ -307,8 +325,9 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
   const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
+  __shared__ GemvRing<NQ_GATE_UP_STAGES, 2> ring;  // one warp per block: the block's ring is the warp's
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES>(qweight, scales, x, rows, 0, GROUPS, acc);
+  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES>(qweight, scales, x, rows, 0, GROUPS, ring, acc);
   if (lane % 4 == 0 && wanted_tile == tile) {
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
     if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);

@@ -7,38 +7,35 @@
 // One block per token row; each thread owns RMS_ITEMS float4 of the row and keeps them in
 // registers between the two passes, so the row is read once and written once.
 //
-// `delta` arrives as `num_partials` slices that are summed first: the decode GEMVs split
-// their input dimension across warps and leave one fp32 partial sum per split (see
-// gemv_int4.cu), and this kernel is where those partials meet. Prefill passes its single
-// GEMM output (num_partials = 1); the first layer passes none (the residual is the embedding).
+// `delta` is a projection's output: prefill's GEMM, or a decode GEMV, which adds its split-K
+// pieces itself (gemv_int4.cu). The first layer passes none (null): its residual is the
+// embedding. Until session 7 decode's GEMVs left one partial sum per split, and this kernel
+// added the ten of down_proj (143 KB) first.
 //
-// Decode has one row, and one block reading it and its ten partials (140 KB for the 7B's
-// down_proj) keeps a single SM busy while the rest of the GPU waits: `add_rmsnorm_cluster`
-// spreads the row over a cluster of RMS_CLUSTER blocks on as many SMs, which add their sums of
-// squares through distributed shared memory.
+// Decode has one row, and one block reading it keeps a single SM busy while the rest of the
+// GPU waits: `add_rmsnorm_cluster` spreads the row over a cluster of RMS_CLUSTER blocks on as
+// many SMs, which add their sums of squares through distributed shared memory.
 #include "common.cuh"
 
 constexpr int RMS_VECTORS = NQ_HIDDEN / 4;                       // float4 per row
 constexpr int RMS_THREADS = RMS_VECTORS < 1024 ? RMS_VECTORS : 1024;  // a multiple of 32
 constexpr int RMS_ITEMS = (RMS_VECTORS + RMS_THREADS - 1) / RMS_THREADS;
 
-// residual[v] + the sum of the partial updates at v, in split order (the float4 number v of `row`).
-__device__ __forceinline__ float4 updated_residual(const float4* residual_row, const float* partials, int num_partials,
-                                                   int partial_stride, long long row, int v) {
-  float4 delta = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int p = 0; p < num_partials; ++p) {
-    const float4 d = reinterpret_cast<const float4*>(partials + (long long)p * partial_stride + row * NQ_HIDDEN)[v];
-    delta.x += d.x;
-    delta.y += d.y;
-    delta.z += d.z;
-    delta.w += d.w;
-  }
+// residual[v] + delta[v] (the float4 number v of one row; no delta: the residual as it is).
+__device__ __forceinline__ float4 updated_residual(const float4* residual_row, const float4* delta_row, int v) {
   float4 r = residual_row[v];
-  r.x += delta.x;
-  r.y += delta.y;
-  r.z += delta.z;
-  r.w += delta.w;
+  if (delta_row != nullptr) {
+    const float4 d = delta_row[v];
+    r.x += d.x;
+    r.y += d.y;
+    r.z += d.z;
+    r.w += d.w;
+  }
   return r;
+}
+
+__device__ __forceinline__ const float4* delta_row_of(const float* delta, long long row) {
+  return delta == nullptr ? nullptr : reinterpret_cast<const float4*>(delta + row * NQ_HIDDEN);
 }
 
 __device__ __forceinline__ float squares(float4 r) { return r.x * r.x + r.y * r.y + r.z * r.z + r.w * r.w; }
@@ -69,14 +66,14 @@ __device__ __forceinline__ void load_weight_slice(const unsigned short* weight, 
 
 // The slice's updated residual into x; returns this thread's sum of squares.
 template <int THREADS, int VECTORS, int ITEMS>
-__device__ __forceinline__ float update_slice(const float4* residual_row, const float* partials, int num_partials,
-                                              int partial_stride, long long row, int first, float4 (&x)[ITEMS]) {
+__device__ __forceinline__ float update_slice(const float4* residual_row, const float4* delta_row, int first,
+                                              float4 (&x)[ITEMS]) {
   float sum_squares = 0.0f;
 #pragma unroll
   for (int item = 0; item < ITEMS; ++item) {
     const int i = threadIdx.x + item * THREADS;
     if (i < VECTORS) {
-      x[item] = updated_residual(residual_row, partials, num_partials, partial_stride, row, first + i);
+      x[item] = updated_residual(residual_row, delta_row, first + i);
       sum_squares += squares(x[item]);
     }
   }
@@ -100,25 +97,24 @@ __device__ __forceinline__ void store_slice(float4* residual_row, unsigned short
 
 // grid (T), block (RMS_THREADS)
 //   residual  fp32 [T, H], updated in place
-//   partials  fp32 [num_partials][T, H]: slice p of row t starts at p * partial_stride + t * H
+//   delta     fp32 [T, H], or null (nothing to add)
 //   weight    fp16 [H]
 //   out       fp16 [T, H]
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
 // pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
-add_rmsnorm(float* __restrict__ residual, const float* partials, int num_partials, int partial_stride,
-            const unsigned short* __restrict__ weight, unsigned short* __restrict__ out) {
+add_rmsnorm(float* __restrict__ residual, const float* delta, const unsigned short* __restrict__ weight,
+            unsigned short* __restrict__ out) {
   __shared__ float scratch[RMS_THREADS / WARP_SIZE];
   let_next_kernel_launch();
   const long long row = blockIdx.x;
   float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
   uint2 w[RMS_ITEMS];  // the norm's weights are no kernel's output: fetched while the kernel before finishes
   load_weight_slice<RMS_THREADS, RMS_VECTORS>(weight, 0, w);
-  wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
+  wait_for_previous_kernel();  // residual and delta are the earlier kernels' output
 
   float4 x[RMS_ITEMS];
-  const float sum_squares =
-      update_slice<RMS_THREADS, RMS_VECTORS>(residual_row, partials, num_partials, partial_stride, row, 0, x);
+  const float sum_squares = update_slice<RMS_THREADS, RMS_VECTORS>(residual_row, delta_row_of(delta, row), 0, x);
   const float inv_rms = inverse_rms(block_sum<RMS_THREADS>(sum_squares, scratch));
   store_slice<RMS_THREADS, RMS_VECTORS>(residual_row, out, row, 0, x, w, inv_rms);
 }
@@ -155,8 +151,8 @@ __device__ __forceinline__ void store_to_cluster_block(float* local_slot, int ra
 // grid (T * RMS_CLUSTER), block (CLUSTER_THREADS), clusters of RMS_CLUSTER consecutive blocks;
 // arguments as add_rmsnorm's.
 extern "C" __global__ void __cluster_dims__(RMS_CLUSTER, 1, 1) __launch_bounds__(CLUSTER_THREADS)
-add_rmsnorm_cluster(float* __restrict__ residual, const float* partials, int num_partials, int partial_stride,
-                    const unsigned short* __restrict__ weight, unsigned short* __restrict__ out) {
+add_rmsnorm_cluster(float* __restrict__ residual, const float* delta, const unsigned short* __restrict__ weight,
+                    unsigned short* __restrict__ out) {
   __shared__ float scratch[CLUSTER_THREADS / WARP_SIZE];
   __shared__ float cluster_sums[RMS_CLUSTER];
   let_next_kernel_launch();
@@ -167,11 +163,11 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* partials, int num
   float4* residual_row = reinterpret_cast<float4*>(residual + row * NQ_HIDDEN);
   uint2 w[CLUSTER_ITEMS];
   load_weight_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(weight, first, w);
-  wait_for_previous_kernel();  // residual and partials are the earlier kernels' output
+  wait_for_previous_kernel();  // residual and delta are the earlier kernels' output
 
   float4 x[CLUSTER_ITEMS];
   const float sum_squares =
-      update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual_row, partials, num_partials, partial_stride, row, first, x);
+      update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual_row, delta_row_of(delta, row), first, x);
   const float block_squares = block_sum<CLUSTER_THREADS>(sum_squares, scratch);
   cluster_wait_acquire();  // every block of the cluster has started
   if (threadIdx.x < RMS_CLUSTER) store_to_cluster_block(&cluster_sums[rank], threadIdx.x, block_squares);

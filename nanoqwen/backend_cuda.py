@@ -9,14 +9,14 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
 
     embed_tokens                                   state.token -> residual (fp32)
     per layer:
-      add_rmsnorm_cluster  residual += down partials of the layer before; normed = norm(residual)
-      gemv_int4_from_hidden    normed -> q|k|v partials (+ bias)               split K
-      rope_write_kv        partials -> q (fp32); K, V (fp16) into the cache at state.position
+      add_rmsnorm_cluster  residual += down of the layer before; normed = norm(residual)
+      gemv_int4_from_hidden    normed -> q|k|v (fp32, + bias)                  split K in the block
+      rope_write_kv        q|k|v -> q (fp32); K, V (fp16) into the cache at state.position
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
-      gemv_int4_from_q_dim     attn -> o partials                              split K
-      add_rmsnorm_cluster  residual += o partials; normed = norm(residual)
+      gemv_int4_from_q_dim     attn -> o (fp32)                                split K in the block
+      add_rmsnorm_cluster  residual += o; normed = norm(residual)
       gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
-      gemv_int4_from_intermediate  -> down partials                            split K
+      gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
     add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
@@ -49,7 +49,8 @@ from .quant import TILE_ROWS, tile_int4
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
-GEMV_THREADS = 32  # one warp per block
+GEMV_THREADS = 32  # gemv_int4_gate_up_silu: one warp per block
+GEMV_MAX_SPLITS = 16  # warps of a split-K GEMV block (kernels/gemv_int4.cu SPLIT_K_MAX_WARPS)
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
@@ -116,11 +117,19 @@ def block_threads(config) -> dict[str, int]:
 def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128,
                 warps_per_sm: int = GEMV_WARPS_PER_SM) -> int:
     """Split-K factor for a decode GEMV: about `warps_per_sm` (tile, split) warps per SM, while
-    each split keeps at least MIN_GROUPS_PER_SPLIT groups."""
+    each split keeps at least MIN_GROUPS_PER_SPLIT groups and a tile's splits fit one block."""
     tiles = -(-out_features // TILE_ROWS)
     groups = in_features // group_size
     wanted = -(-warps_per_sm * num_sms // tiles)
-    return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT))
+    return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT, GEMV_MAX_SPLITS))
+
+
+def split_k_launch(out_features: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
+    """(grid, block, dynamic shared bytes) of a split-K GEMV: one block of `splits` warps per
+    16-row tile, each warp with a ring of `ring_bytes` (the module's gemv_split_k_ring_bytes)."""
+    if not 1 <= splits <= GEMV_MAX_SPLITS:
+        raise ValueError(f"a split-K GEMV block holds 1..{GEMV_MAX_SPLITS} splits, got {splits}")
+    return (-(-out_features // TILE_ROWS),), (splits * 32,), splits * ring_bytes
 
 
 def stack_linears(linears: list[Int4Linear]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -239,8 +248,10 @@ class CudaBackend:
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
             )
         }
+        self.split_k_ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")
         for name in GEMV_KERNELS.values():
             set_carveout(self.kernels[name], SPLIT_K_CARVEOUT_PERCENT)
+            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * self.split_k_ring_bytes
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:
@@ -342,13 +353,13 @@ class CudaBackend:
         self._greedy_heads = cupyx.empty_pinned((2, STATE_STATUS + 1), dtype=np.int32)
         self.residual = cp.empty(c.hidden_size, dtype=cp.float32)
         self.normed = cp.empty(c.hidden_size, dtype=cp.float16)
-        self.qkv_partials = cp.empty((first.qkv.splits, first.qkv.out_features), dtype=cp.float32)
+        self.qkv_out = cp.empty(first.qkv.out_features, dtype=cp.float32)
         self.q = cp.empty(c.q_dim, dtype=cp.float32)
         self.attn_out = cp.empty(c.q_dim, dtype=cp.float16)
-        self.o_partials = cp.empty((first.o.splits, c.hidden_size), dtype=cp.float32)
+        self.o_out = cp.empty(c.hidden_size, dtype=cp.float32)
         self.mlp_hidden = cp.empty(c.intermediate_size, dtype=cp.float16)
         self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32) if self.activations == "int8" else None
-        self.down_partials = cp.empty((first.down.splits, c.hidden_size), dtype=cp.float32)
+        self.down_out = cp.empty(c.hidden_size, dtype=cp.float32)
         self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
         self.candidate_values = cp.empty(self.lm_head_blocks, dtype=cp.float32)
@@ -357,32 +368,28 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ launches
 
-    def _add_rmsnorm(self, residual, partials, num_partials: int, partial_stride: int, weight, out, rows: int,
-                     cluster: bool = False) -> None:
-        """residual += the partials; out = norm(residual), for `rows` rows: one block per row, or
-        with `cluster` (decode) each row over a cluster of RMS_CLUSTER blocks (add_rmsnorm_cluster)."""
+    def _add_rmsnorm(self, residual, delta, weight, out, rows: int, cluster: bool = False) -> None:
+        """residual += delta (None: nothing to add); out = norm(residual), for `rows` rows: one block
+        per row, or with `cluster` (decode) each row over a cluster of RMS_CLUSTER blocks."""
         kernel, blocks_per_row = ("add_rmsnorm_cluster", RMS_CLUSTER) if cluster else ("add_rmsnorm", 1)
         self.kernels[kernel](
-            (rows * blocks_per_row,), (self.threads[kernel],),
-            (residual, NULL if num_partials == 0 else partials, np.int32(num_partials), np.int32(partial_stride),
-             weight, out),
+            (rows * blocks_per_row,), (self.threads[kernel],), (residual, NULL if delta is None else delta, weight, out),
         )
 
-    def _gemv(self, kernel: str, linear: DeviceLinear, x, partials) -> None:
-        units = -(-linear.out_features // TILE_ROWS) * linear.splits
+    def _gemv(self, kernel: str, linear: DeviceLinear, x, y) -> None:
+        grid, block, shared_mem = split_k_launch(linear.out_features, linear.splits, self.split_k_ring_bytes)
         self.kernels[kernel](
-            (units,), (GEMV_THREADS,),
-            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, partials,
-             np.int32(linear.out_features), np.int32(linear.splits)),
+            grid, block,
+            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, y,
+             np.int32(linear.out_features)),
+            shared_mem=shared_mem,
         )
 
-    def _rope_write_kv(self, partials, num_partials: int, partial_stride: int, positions_base, layer: int, q_out,
-                       num_tokens: int) -> None:
+    def _rope_write_kv(self, qkv, positions_base, layer: int, q_out, num_tokens: int) -> None:
         c = self.config
         self.kernels["rope_write_kv"](
             (num_tokens, c.num_heads + c.num_kv_heads), (self.threads["rope_write_kv"],),
-            (partials, np.int32(num_partials), np.int32(partial_stride), positions_base, self.inv_freq,
-             self.page_table, self._kv_layers[layer], q_out),
+            (qkv, positions_base, self.inv_freq, self.page_table, self._kv_layers[layer], q_out),
         )
 
     def _lm_head(self) -> None:
@@ -395,18 +402,12 @@ class CudaBackend:
         """Grid of a grid-stride elementwise kernel over n items: enough blocks to fill the GPU."""
         return min(-(-n // ELEMENTWISE_THREADS), self.num_sms * 8)
 
-    def _project(self, layer: int, name: str, x, partials):
-        """One decode projection of x; returns (output, number of partial sums in it).
-
-        Path B writes `splits` fp32 partial sums that the next kernel adds; Path A writes the
-        finished fp32 vector into the first row of the same buffer.
-        """
+    def _project(self, layer: int, name: str, x, y) -> None:
+        """One decode projection of x into y, fp32: Path B's split-K GEMV or Path A's."""
         if self.int8_layers is None:
-            linear = getattr(self.layers[layer], name)
-            self._gemv(GEMV_KERNELS[name], linear, x, partials)
-            return partials, linear.splits
-        self.int8_layers[layer][name](x, partials[0])
-        return partials[0], 1
+            self._gemv(GEMV_KERNELS[name], getattr(self.layers[layer], name), x, y)
+        else:
+            self.int8_layers[layer][name](x, y)
 
     def _mlp_hidden(self, layer: int) -> None:
         """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
@@ -434,21 +435,22 @@ class CudaBackend:
         CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the greedy
         token and the advanced position.
         """
-        k, H = self.kernels, self.config.hidden_size
+        k = self.kernels
         with stream:
             k["embed_tokens"]((1,), (self.threads["embed_tokens"],), (self.token, self.embed, self.residual))
-            partials, num_partials = self.down_partials, 0  # layer 0 normalises the embedding as it is
+            down = None  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
-                self._add_rmsnorm(self.residual, partials, num_partials, H, layer.input_norm, self.normed, 1, cluster=True)
-                qkv, num_qkv = self._project(i, "qkv", self.normed, self.qkv_partials)
-                self._rope_write_kv(qkv, num_qkv, layer.qkv.out_features, self.position, i, self.q, 1)
+                self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
+                self._project(i, "qkv", self.normed, self.qkv_out)
+                self._rope_write_kv(self.qkv_out, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
-                o, num_o = self._project(i, "o", self.attn_out, self.o_partials)
-                self._add_rmsnorm(self.residual, o, num_o, H, layer.post_norm, self.normed, 1, cluster=True)
+                self._project(i, "o", self.attn_out, self.o_out)
+                self._add_rmsnorm(self.residual, self.o_out, layer.post_norm, self.normed, 1, cluster=True)
                 self._mlp_hidden(i)
-                partials, num_partials = self._project(i, "down", self.mlp_hidden, self.down_partials)
-            self._add_rmsnorm(self.residual, partials, num_partials, H, self.final_norm, self.normed, 1, cluster=True)
+                self._project(i, "down", self.mlp_hidden, self.down_out)
+                down = self.down_out
+            self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
             self._lm_head()
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
@@ -642,22 +644,22 @@ class CudaBackend:
         hidden = cp.empty((t, c.intermediate_size), dtype=cp.float16)
 
         k["embed_tokens"]((t,), (self.threads["embed_tokens"],), (ids, self.embed, residual))
-        num_partials = 0
+        update = None  # layer 0 normalises the embedding as it is
         for i, layer in enumerate(self.layers):
-            self._add_rmsnorm(residual, delta, num_partials, t * H, layer.input_norm, normed, t)
+            self._add_rmsnorm(residual, update, layer.input_norm, normed, t)
             qkv[...] = layer.qkv.bias32  # the GEMM adds onto the bias (beta = 1)
             self._gemm(normed, self._expand(layer.qkv), qkv, beta=1.0)
-            self._rope_write_kv(qkv, 1, qkv.size, self.prefill_start, i, q, t)
+            self._rope_write_kv(qkv, self.prefill_start, i, q, t)
             self.attention.prefill(q, self._kv_layers[i], self.page_table, start_pos, t, attn)
             self._gemm(attn, self._expand(layer.o), delta, beta=0.0)
-            self._add_rmsnorm(residual, delta, 1, t * H, layer.post_norm, normed, t)
+            self._add_rmsnorm(residual, delta, layer.post_norm, normed, t)
             self._gemm(normed, self._expand(layer.gate_up), gate_up, beta=0.0)
             blocks = self._elementwise_blocks(hidden.size)
             k["silu_mul_rows"]((blocks,), (ELEMENTWISE_THREADS,), (gate_up, hidden, np.int32(t)))
             self._gemm(hidden, self._expand(layer.down), delta, beta=0.0)
-            num_partials = 1
+            update = delta
         if last:  # only the prompt's last token needs logits: finish its row alone
-            self._add_rmsnorm(residual[t - 1], delta[t - 1], 1, H, self.final_norm, self.normed, 1)
+            self._add_rmsnorm(residual[t - 1], delta[t - 1], self.final_norm, self.normed, 1)
             self._lm_head()
 
     def prefill(self, token_ids, start_pos: int, page_table) -> np.ndarray:

@@ -96,15 +96,12 @@ class PagedAttention:
         self._prefill = StepKernel(module.get_function("paged_attention_prefill"), "paged_attention_prefill")
         self._combine = StepKernel(module.get_function("paged_attention_combine"), "paged_attention_combine")
 
-        def device_int(name: str) -> int:
-            return int(cp.ndarray((1,), cp.int32, memptr=module.get_global(name)).get()[0])
-
-        self.decode_threads = device_int("paged_attention_decode_threads")
-        self.decode_smem = device_int("paged_attention_decode_smem_bytes")
-        self.prefill_threads = device_int("paged_attention_prefill_threads")
-        self.prefill_smem = device_int("paged_attention_prefill_smem_bytes")
-        self.combine_threads = device_int("paged_attention_combine_threads")
-        max_splits = device_int("paged_attention_combine_max_splits")
+        self.decode_threads = cuda_build.module_int(module, "paged_attention_decode_threads")
+        self.decode_smem = cuda_build.module_int(module, "paged_attention_decode_smem_bytes")
+        self.prefill_threads = cuda_build.module_int(module, "paged_attention_prefill_threads")
+        self.prefill_smem = cuda_build.module_int(module, "paged_attention_prefill_smem_bytes")
+        self.combine_threads = cuda_build.module_int(module, "paged_attention_combine_threads")
+        max_splits = cuda_build.module_int(module, "paged_attention_combine_max_splits")
         self._decode.max_dynamic_shared_size_bytes = self.decode_smem
         self._prefill.max_dynamic_shared_size_bytes = self.prefill_smem
 

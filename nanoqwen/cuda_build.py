@@ -90,6 +90,13 @@ def compile_module(config: ModelConfig, files=DECODER_KERNEL_FILES, extra_define
     return module
 
 
+def module_int(module, name: str) -> int:
+    """The value of a kernel file's `__device__ int` (a size the host must launch with)."""
+    import cupy
+
+    return int(cupy.ndarray((1,), cupy.int32, memptr=module.get_global(name)).get()[0])
+
+
 def nvcc_command(config: ModelConfig, source: Path, output: Path, extra_defines: dict[str, str] | None = None) -> list[str]:
     """The nvcc line that builds `source` into an sm_90a cubin and prints ptxas's resource report."""
     defines = {**kernel_defines(config), **(extra_defines or {})}

@@ -34,9 +34,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GEMV_THREADS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, TILE_ROWS, CudaBackend, block_threads, gate_up_launch,
-    gemv_splits,
-    persistent_blocks,
+    ARGMAX_THREADS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, CudaBackend, block_threads, gate_up_launch,
+    gemv_splits, persistent_blocks, split_k_launch,
 )
 
 ODD = ModelConfig(
@@ -114,25 +113,25 @@ def checked_rows(rng, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
-@pytest.mark.parametrize("rows, num_partials", [(1, 0), (1, 8), (5, 1), (3, 3)])
+@pytest.mark.parametrize("rows, with_delta", [(1, False), (1, True), (5, True), (3, True)])
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_rmsnorm_cluster"])
-def test_add_rmsnorm(config_name, rows, num_partials, name):
-    """One block per row, and decode's form: each row over a cluster of RMS_CLUSTER blocks."""
+def test_add_rmsnorm(config_name, rows, with_delta, name):
+    """One block per row, and decode's form: each row over a cluster of RMS_CLUSTER blocks;
+    without a delta (layer 0 normalises the embedding as it is)."""
     c = CONFIGS[config_name]
-    rng = np.random.default_rng([rows, num_partials, c.hidden_size])
+    rng = np.random.default_rng([rows, with_delta, c.hidden_size])
     h = c.hidden_size
     residual = 2 * rng.standard_normal((rows, h), dtype=np.float32)
-    partials = rng.standard_normal((num_partials, rows, h), dtype=np.float32)
+    delta = rng.standard_normal((rows, h), dtype=np.float32) if with_delta else np.zeros((rows, h), np.float32)
     weight = (1 + 0.1 * rng.standard_normal(h)).astype(np.float16)
     residual_dev = cp.asarray(residual)
     out = poisoned((rows, h), cp.float16)
     blocks = rows * (RMS_CLUSTER if name == "add_rmsnorm_cluster" else 1)
     kernel(config_name, name)(
         (blocks,), (block_threads(c)[name],),
-        (residual_dev, cp.asarray(partials) if num_partials else NULL, np.int32(num_partials), np.int32(rows * h),
-         cp.asarray(weight), out),
+        (residual_dev, cp.asarray(delta) if with_delta else NULL, cp.asarray(weight), out),
     )
-    expected_residual, expected = ops.add_rmsnorm(residual, partials.sum(axis=0), weight, c.rms_norm_eps)
+    expected_residual, expected = ops.add_rmsnorm(residual, delta, weight, c.rms_norm_eps)
     np.testing.assert_allclose(residual_dev.get(), expected_residual, rtol=1e-6, atol=1e-5)
     assert_half_close(out.get(), expected)
 
@@ -169,9 +168,10 @@ IN_FEATURES = {"gemv_int4_from_hidden": "hidden_size", "gemv_int4_from_q_dim": "
                "gemv_int4_from_intermediate": "intermediate_size"}
 
 
-@pytest.mark.parametrize("split_choice", ["one", "backend", "one group each"])
+@pytest.mark.parametrize("split_choice", ["one", "backend", "a block's most"])
 @pytest.mark.parametrize("case", GEMV_CASES, ids=[f"{c[0]}-{c[2]}" for c in GEMV_CASES])
-def test_gemv_int4_partials(case, split_choice):
+def test_gemv_int4_split_k(case, split_choice):
+    """Every split count the block allows, down to one group per warp (the odd shapes' 3)."""
     config_name, name, _, n, has_bias = case
     c = CONFIGS[config_name]
     k = getattr(c, IN_FEATURES[name])
@@ -179,17 +179,17 @@ def test_gemv_int4_partials(case, split_choice):
     qweight, scales = random_int4(rng, n, k)
     bias = rng.standard_normal(n, dtype=np.float32).astype(np.float16) * np.float16(0.1) if has_bias else None
     x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
-    splits = {"one": 1, "backend": gemv_splits(n, k, num_sms()), "one group each": k // 128}[split_choice]
-    partials = poisoned((splits, n), cp.float32)
-    units = -(-n // TILE_ROWS) * splits
-    kernel(config_name, name)(
-        (units,), (GEMV_THREADS,),
-        (*device_tiled(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
-         partials, np.int32(n), np.int32(splits)),
-    )
-    partials = partials.get()
-    assert np.isfinite(partials).all(), f"{(~np.isfinite(partials)).sum()} partial sums not written"
-    y = partials.sum(axis=0, dtype=np.float64)
+    splits = {"one": 1, "backend": gemv_splits(n, k, num_sms()),
+              "a block's most": min(k // 128, GEMV_MAX_SPLITS)}[split_choice]
+    out = poisoned(n, cp.float32)
+    function = kernel(config_name, name)
+    ring_bytes = cuda_build.module_int(module(config_name), "gemv_split_k_ring_bytes")
+    function.max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * ring_bytes
+    grid, block, shared_mem = split_k_launch(n, splits, ring_bytes)
+    function(grid, block, (*device_tiled(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
+                           out, np.int32(n)), shared_mem=shared_mem)
+    y = out.get().astype(np.float64)
+    assert np.isfinite(y).all(), f"{(~np.isfinite(y)).sum()} outputs not written"
     rows = checked_rows(rng, n)
     expected, bound = int4_reference(qweight, scales, bias, x, rows)
     error = np.abs(y[rows] - expected)
@@ -235,30 +235,29 @@ def test_dequantize_int4_to_half(config_name, n, k):
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
-@pytest.mark.parametrize("start, count, num_partials", [(13, 7, 1), (37, 1, 6), (-3, 3, 2)])
-def test_rope_write_kv(config_name, start, count, num_partials):
+@pytest.mark.parametrize("start, count", [(13, 7), (37, 1), (-3, 3)])
+def test_rope_write_kv(config_name, start, count):
     """Positions inside partly filled tail pages, across a page boundary, and near the end of
     the context (start < 0 counts back from max_position_embeddings)."""
     c = CONFIGS[config_name]
     if start < 0:
         start += c.max_position_embeddings
-    rng = np.random.default_rng([start, count, num_partials])
+    rng = np.random.default_rng([start, count])
     qkv_dim = c.q_dim + 2 * c.kv_dim
     num_pages = 8
     positions = np.arange(start, start + count)
     page_table = rng.integers(0, num_pages, size=positions[-1] // PAGE_SIZE + 1).astype(np.int32)
     touched = np.unique(positions // PAGE_SIZE)
     page_table[touched] = rng.choice(num_pages, len(touched), replace=False)
-    partials = rng.standard_normal((num_partials, count, qkv_dim), dtype=np.float32)
+    qkv = rng.standard_normal((count, qkv_dim), dtype=np.float32)
 
     kv_layer = poisoned((num_pages, 2, c.num_kv_heads, PAGE_SIZE, c.head_dim), cp.float16)
     q_out = poisoned((count, c.q_dim), cp.float32)
     kernel(config_name, "rope_write_kv")(
         (count, c.num_heads + c.num_kv_heads), (block_threads(c)["rope_write_kv"],),
-        (cp.asarray(partials), np.int32(num_partials), np.int32(count * qkv_dim), cp.asarray([start], dtype=cp.int32),
+        (cp.asarray(qkv), cp.asarray([start], dtype=cp.int32),
          cp.asarray(ops.rope_inv_freq(c.head_dim, c.rope_theta)), cp.asarray(page_table), kv_layer, q_out),
     )
-    qkv = partials.sum(axis=0)
     q = qkv[:, : c.q_dim].reshape(count, c.num_heads, c.head_dim)
     k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(count, c.num_kv_heads, c.head_dim)
     v = qkv[:, c.q_dim + c.kv_dim :].reshape(count, c.num_kv_heads, c.head_dim)

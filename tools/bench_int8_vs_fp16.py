@@ -8,8 +8,7 @@ For each shape (N outputs x K inputs) it times, per call:
     A GEMV    gemv_int4_int8 alone (activations already quantized)
     A quant   quantize_activations_int8 alone
     B         gemv_int4_from_<width> (kernels/gemv_int4.cu), launched by nanoqwen.backend_cuda's
-              own code with its split-K choice; it writes split partial sums that the next
-              kernel of the engine adds up
+              own code with its split-K choice (a block of warps per tile adds the splits)
     B fused   (gate+up only) gemv_int4_gate_up_silu, the kernel the engine runs there
 Method: every variant is captured in a CUDA graph of many calls that rotate over copies of
 the weights filling 4x the L2, so each call streams its weights from HBM; a replay is timed
@@ -253,11 +252,14 @@ def path_b_kernels(cp):
         kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
                    for w in ("hidden", "q_dim", "intermediate")}
         kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")
-        for needed in ("gemv_splits", "DeviceLinear", "CudaBackend", "TILE_ROWS", "GEMV_THREADS", "NULL"):
+        for needed in ("gemv_splits", "DeviceLinear", "CudaBackend", "split_k_launch", "NULL"):
             getattr(backend_cuda, needed)
     except Exception as exc:  # not written yet, renamed, or does not compile
         return None, f"{type(exc).__name__}: {exc}"
-    return types.SimpleNamespace(kernels=kernels, backend_cuda=backend_cuda), None
+    ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")
+    for width in ("hidden", "q_dim", "intermediate"):
+        kernels[f"gemv_int4_from_{width}"].max_dynamic_shared_size_bytes = backend_cuda.GEMV_MAX_SPLITS * ring_bytes
+    return types.SimpleNamespace(kernels=kernels, backend_cuda=backend_cuda, split_k_ring_bytes=ring_bytes), None
 
 
 class PathB:
@@ -272,12 +274,12 @@ class PathB:
         self.linear = bc.DeviceLinear(qweight=tile_int4(qweight, xp=cp), scales=scales, bias=None, bias32=None,
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
-        self.partials = cp.empty((splits, n), dtype=cp.float32)
-        self._launcher = types.SimpleNamespace(kernels=path_b.kernels)
+        self.out = cp.empty(n, dtype=cp.float32)
+        self._launcher = types.SimpleNamespace(kernels=path_b.kernels, split_k_ring_bytes=path_b.split_k_ring_bytes)
         self._gemv = bc.CudaBackend._gemv
 
     def __call__(self, x) -> None:
-        self._gemv(self._launcher, self.kernel_name, self.linear, x, self.partials)
+        self._gemv(self._launcher, self.kernel_name, self.linear, x, self.out)
 
 
 def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
@@ -316,7 +318,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
         try:  # a Path B that does not fit this script is reported, not fatal
             with stream:
                 b = [PathB(cp, path_b, width, qw[i], sc[i], num_sms) for i in range(copies)]
-                b[0].partials.fill(np.nan)
+                b[0].out.fill(np.nan)
                 b[0](xs[0])
         except Exception as exc:
             b, b_error = None, f"{type(exc).__name__}: {exc}"
@@ -332,7 +334,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
     a_matches = bool(np.array_equal(y_a, int4_int8_linear(q, xscale, linear)))
     error = {"a": error_vs_reference(y_a, reference)}
     if b:
-        y_b = cp.asnumpy(b[0].partials).astype(np.float64).sum(axis=0)
+        y_b = cp.asnumpy(b[0].out).astype(np.float64)
         error["b"] = error_vs_reference(y_b, reference)
 
     variants = {
@@ -366,7 +368,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
     }
     bytes_moved["a_total"] = bytes_moved["a_quant"] + bytes_moved["a_gemv"]
     if b:
-        bytes_moved["b"] = weight_bytes + scale_bytes + act_in + out_f32 * b[0].linear.splits
+        bytes_moved["b"] = weight_bytes + scale_bytes + act_in + out_f32
     if fused:
         bytes_moved["b_fused_silu"] = weight_bytes + scale_bytes + act_in + 2 * CONFIG.intermediate_size
     gbps = {v: bytes_moved[v] / times[v]["median"] / 1e3 for v in bytes_moved if v in times}

@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_THREADS, LM_HEAD_THREADS, NULL, TILE_ROWS, block_threads, gate_up_launch, gemv_splits, persistent_blocks  # noqa: E402
+from nanoqwen.backend_cuda import (  # noqa: E402
+    GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, block_threads, gate_up_launch, gemv_splits, persistent_blocks, split_k_launch,
+)
 from nanoqwen.quant import tile_int4  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
@@ -36,10 +38,10 @@ READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10
 COPY_BYTES = 2 * 2**30
 BYTE_FLOORS = (
-    "INT4 GEMV N x K: packed weights N*K/2 + fp16 scales N*K/64 + x 2K + fp32 partial sums 4*N*splits "
+    "INT4 GEMV N x K: packed weights N*K/2 + fp16 scales N*K/64 + x 2K + fp32 out 4N "
     "(+ bias 2N); the fused gate+up reads two N x K matrices and writes N fp16; lm_head V x H: fp16 weights "
     "2*V*H + x 2H + fp32 logits 4V + one (value, index) per block; add_rmsnorm T x H: residual read and "
-    "written 8TH + partials 4TH each + fp16 out 2TH + weight 2H."
+    "written 8TH + delta 4TH + fp16 out 2TH + weight 2H."
 )
 
 
@@ -121,18 +123,20 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
             function(grid, block, (qweights[i], scales[i], x, out))
     else:
         splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
-        out = cp.empty((splits, n), dtype=cp.float32)
+        out = cp.empty(n, dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
-        grid = -(-n // TILE_ROWS) * splits
-        out_bytes = splits * n * 4 + (n * 2 if bias else 0)
+        ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")
+        function.max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * ring_bytes
+        grid, block, shared_mem = split_k_launch(n, splits, ring_bytes)
+        out_bytes = n * 4 + (n * 2 if bias else 0)
 
         def launch(i):
-            function((grid,), (GEMV_THREADS,), (qweights[i], scales[i], NULL if bias_array is None else bias_array, x,
-                                               out, np.int32(n), np.int32(splits)))
+            function(grid, block, (qweights[i], scales[i], NULL if bias_array is None else bias_array, x, out, np.int32(n)),
+                     shared_mem=shared_mem)
 
     seconds = median_launch_seconds(cp, launch, copies)
     shape = f"{'2x' if fused else ''}{n}x{k}"
-    warps = grid[0] * block[0] // 32 if fused else grid
+    warps = grid[0] * block[0] // 32
     return dict(name=name, shape=shape, config=f"split {splits}, {warps} warps", seconds=seconds,
                 bytes=weight_bytes + k * 2 + out_bytes)
 
@@ -154,24 +158,24 @@ def bench_lm_head(cp, module, num_sms, config):
                 seconds=seconds, bytes=v * h * 2 + h * 2 + v * 4 + blocks * 8)
 
 
-def bench_rmsnorm(cp, module, l2_bytes, config, rows, num_partials):
+def bench_rmsnorm(cp, module, l2_bytes, config, rows):
     h = config.hidden_size
-    per_copy = rows * h * (4 + 4 * num_partials + 2)
+    per_copy = rows * h * (4 + 4 + 2)
     copies = copies_for(per_copy, l2_bytes)
     residuals = [cp.random.standard_normal((rows, h), dtype=cp.float32) for _ in range(copies)]
-    partials = [cp.random.standard_normal((num_partials, rows, h), dtype=cp.float32) for _ in range(copies)]
+    deltas = [cp.random.standard_normal((rows, h), dtype=cp.float32) for _ in range(copies)]
     weight = (1 + 0.1 * cp.random.standard_normal(h, dtype=cp.float32)).astype(cp.float16)
     out = cp.empty((rows, h), dtype=cp.float16)
     function = module.get_function("add_rmsnorm")
     threads = block_threads(config)["add_rmsnorm"]
 
     def launch(i):
-        function((rows,), (threads,), (residuals[i], partials[i], np.int32(num_partials), np.int32(rows * h), weight, out))
+        function((rows,), (threads,), (residuals[i], deltas[i], weight, out))
 
     seconds = median_launch_seconds(cp, launch, copies)
-    return dict(name=f"add_rmsnorm, {rows} row{'s' if rows > 1 else ''}, {num_partials} partials",
+    return dict(name=f"add_rmsnorm, {rows} row{'s' if rows > 1 else ''}",
                 shape=f"{rows}x{h}", config=f"{rows} blocks x {threads}", seconds=seconds,
-                bytes=rows * h * (4 + 4 * num_partials + 4 + 2) + h * 2)
+                bytes=rows * h * (4 + 4 + 4 + 2) + h * 2)
 
 
 def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
@@ -217,8 +221,8 @@ def run(out: Path | None, with_sweep: bool = False) -> list[dict]:
         bench_gemv(cp, module, l2_bytes, num_sms, "gate+up, SwiGLU fused", "gemv_int4_gate_up_silu", i, h, False),
         bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", h, i, False),
         bench_lm_head(cp, module, num_sms, config),
-        bench_rmsnorm(cp, module, l2_bytes, config, 1, gemv_splits(h, i, num_sms)),
-        bench_rmsnorm(cp, module, l2_bytes, config, 8192, 1),
+        bench_rmsnorm(cp, module, l2_bytes, config, 1),
+        bench_rmsnorm(cp, module, l2_bytes, config, 8192),
     ]
     for r in results:
         r["gbps"] = r["bytes"] / r["seconds"] / 1e9

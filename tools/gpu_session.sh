@@ -6,6 +6,9 @@
 #                                      INT8 vs FP16 bench and tests, 7B vs transformers
 #   bash tools/gpu_session.sh book     graph tests, 7B bench for both activation paths,
 #                                      then every chapter under nbval (carry .whl: see book/running.md)
+#   bash tools/gpu_session.sh ab DIR   the 7B bench of this tree and of the tree in DIR (another commit,
+#                                      e.g. `git archive COMMIT | tar -x -C DIR`, carried), alternating,
+#                                      two runs each, then the GPU tests of this tree
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # absolute: chapters run in chapters/
 OUT=${OUT:-/tmp/nanoqwen-out}
@@ -41,6 +44,17 @@ case "${1:-checks}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD NANOQWEN_REQUIRE_GPU=1
     step "book under nbval" 200 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
+    ;;
+  ab)
+    base=${2:?usage: gpu_session.sh ab DIR}
+    step "random 7B file" 45 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
+    for run in 1 2; do
+      step "bench 7B, this tree ($run)" 75 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b-this-$run.json"
+      step "bench 7B, $base ($run)" 75 bash -c "cd '$base' && PYTHONPATH=\$PWD python3 -m nanoqwen bench '$MODEL_7B' \
+        --json '$OUT/bench-7b-base-$run.json'"
+    done
+    step "GPU tests" 240 $PYTEST tests/test_kernels_cuda.py tests/test_cuda_graph.py tests/test_int8_path.py \
+      tests/test_attention_cuda.py
     ;;
 esac
 echo "=== summary"

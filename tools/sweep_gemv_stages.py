@@ -9,7 +9,7 @@ after a 512-token prompt, for each combination of
     warps per SM        the split-K target of backend_cuda.gemv_splits  (launch time)
     carve-out           the preferred share of each SM's shared memory capacity, in percent, set
                         on the split-K GEMVs (-1: the driver's choice; the engine's default is 50); it caps how
-                        many of their one-warp blocks an SM holds at once
+                        many of their blocks an SM holds at once
 swapping only the four GEMV kernels and the splits of one CudaBackend. Rounds alternate the
 variants, so drift shows as spread, not as a difference. Every variant's logits are compared with
 the first one's: equal bit for bit when the splits are the same (the ring depth changes no sum).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GEMV_KERNELS, GEMV_WARPS_PER_SM, SPLIT_K_CARVEOUT_PERCENT, CudaBackend, gemv_splits, set_carveout,
+    GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_WARPS_PER_SM, SPLIT_K_CARVEOUT_PERCENT, CudaBackend, gemv_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
@@ -49,11 +49,12 @@ def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) 
     c = backend.config
     for name in GEMV_KERNEL_NAMES:
         backend.kernels[name] = StepKernel(module.get_function(name), name)
+    backend.split_k_ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")  # follows the stages
     for name in GEMV_KERNELS.values():
         set_carveout(backend.kernels[name], carveout)
+        backend.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * backend.split_k_ring_bytes
     for linear in backend._linears():
         linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm)
-    backend._allocate_decode_buffers()  # the partial-sum buffers follow the splits
     backend._graph = None
     backend.forget_step_inputs()
 
