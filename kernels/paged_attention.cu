@@ -265,9 +265,10 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 // grid is sized for the longest sequence and blocks beyond the work exit at once.
 // A sequence of one block's pages is finished here; otherwise each block leaves its share in
 // partial_* ([num_kv_heads, splits, GQA, ...]) for paged_attention_combine.
-// What earlier kernels of the step write (q, the new K/V, the partials, seq_len) comes through
-// pointers without __restrict__, so it is read with coherent loads that stay below the wait
-// (kernels/common.cuh, programmatic dependent launch).
+// What earlier kernels of the step write (q, the new K/V) comes through pointers without
+// __restrict__, so it is read with coherent loads that stay below the wait (kernels/common.cuh,
+// programmatic dependent launch); seq_len and the page table, which no kernel of the step writes,
+// are read above it.
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 2)
 PA_DECODE_KERNEL(const float* q,                              // [num_heads * D] fp32, RoPE'd
                  const unsigned short* kv,                    // one layer's pool, fp16
@@ -281,15 +282,23 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int split = blockIdx.x, kv_head = blockIdx.y, splits = gridDim.x;
   let_next_kernel_launch();
-  wait_for_previous_kernel();  // every block, idle ones too: q and the new K/V are rope_write_kv's
-
+  // The sequence length and the page table are the step's inputs, set before the step began (by
+  // the host, or by the previous step's argmax_select_next) and written by no kernel of this
+  // step: the block reads them, picks its pages and sets up its barriers while rope_write_kv
+  // still runs, so that after the wait the first copies and q are one round trip away.
   const int seq_len = *seq_len_ptr;
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
   const int pages_per_split = (num_pages + splits - 1) / splits;
-  if (seq_len <= 0 || split * pages_per_split >= num_pages) return;  // the whole block: no barrier yet
+  if (seq_len <= 0 || split * pages_per_split >= num_pages) {
+    wait_for_previous_kernel();  // an idle block waits too, or the chain of completions breaks
+    return;  // the whole block: no barrier yet
+  }
   const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;
   const int first_page = split * pages_per_split;
   const int block_pages = min(pages_per_split, num_pages - first_page);
+  // Producer lane l holds the id of the block's page 32 r + l while the producer is at round r
+  // of 32 pages; the first 32 are loaded here.
+  int page_id = warp == 0 && lane < block_pages ? page_table[first_page + lane] : 0;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < DECODE_STAGES; ++s) mbar_init(&sh.full[s], 1);
@@ -298,14 +307,17 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
   // The block's one __syncthreads, before the roles part: every thread reaches it, and after
   // it every thread sees initialized barriers.
   __syncthreads();
+  wait_for_previous_kernel();  // q and the new token's K/V are rope_write_kv's
 
   if (warp == 0) {  // ------------------------------------------------ producer
     const unsigned short* head_base = kv + (long long)kv_head * PA_SLICE;
     for (int i = 0; i < block_pages; ++i) {
       const int stage = i % DECODE_STAGES, round = i / DECODE_STAGES;
+      if (i > 0 && i % WARP_SIZE == 0 && i + lane < block_pages) page_id = page_table[first_page + i + lane];
+      const int page = __shfl_sync(FULL_MASK, page_id, i % WARP_SIZE);
       PRODUCER_WAIT_STAGE_FREE(stage, round);
       if (lane == 0) {
-        const unsigned short* k_slice = head_base + page_table[first_page + i] * PA_PAGE_STRIDE;
+        const unsigned short* k_slice = head_base + page * PA_PAGE_STRIDE;
         const unsigned short* v_slice = k_slice + PA_KVH * PA_SLICE;
         mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);
         bulk_copy_to_shared(sh.kv[stage][0], k_slice, PA_SLICE_BYTES, &sh.full[stage]);
@@ -378,78 +390,70 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
 // ---------------------------------------------------------------- combine
 
 constexpr int COMBINE_THREADS = 256;
-constexpr int COMBINE_GROUPS = COMBINE_THREADS / WARP_SIZE;  // each warp sums every 8th split
+constexpr int COMBINE_WARPS = COMBINE_THREADS / WARP_SIZE;  // warp w merges splits w, w + 8, ...
 constexpr int COMBINE_MAX_SPLITS = 4096;
 static_assert(PA_D / 4 <= WARP_SIZE, "a warp covers a head's dims 4 at a time");
 __device__ int paged_attention_combine_threads = COMBINE_THREADS;
 __device__ int paged_attention_combine_max_splits = COMBINE_MAX_SPLITS;
 
 // Grid (GQA, num_kv_heads): block (h, kv head) merges query head kv_head * GQA + h over the
-// splits the decode kernel left, weighting split s by 2^(max_s - max) (softmax in base 2).
-// Launched right after the decode kernel with the same seq_len; nothing to do if one split
-// held the whole sequence.
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+// splits the decode kernel left, softmax in base 2: with M the largest split max, split s weighs
+// 2^(max_s - M), the denominator is sum_s l_s 2^(max_s - M) and the output sum_s acc_s 2^(max_s - M)
+// over it. Each warp merges its splits in one pass, rescaling its running share whenever a
+// larger max arrives (as decode_page does across pages), so a split's (max, sum) and its acc
+// are loaded together, a few splits' loads in flight at once; then the eight warps' shares are
+// merged the same way. Launched right after the decode kernel with the same seq_len; nothing to
+// do if one split held the whole sequence.
+// (The minimum of one block per SM lets ptxas hold several splits' loads in registers at once:
+// with the default it kept to 32 registers and waited for each split's loads before the next's.)
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS, 1)
 paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
                         const float* partial_acc, int splits, unsigned short* __restrict__ out) {
-  __shared__ float weight[COMBINE_MAX_SPLITS];
-  __shared__ float reduce[COMBINE_GROUPS];
-  __shared__ float4 group_sum[COMBINE_GROUPS][WARP_SIZE];
+  __shared__ float warp_max[COMBINE_WARPS], warp_sum[COMBINE_WARPS];
+  __shared__ float4 warp_acc[COMBINE_WARPS][WARP_SIZE];
   let_next_kernel_launch();
-  wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's
-  const int seq_len = *seq_len_ptr;
+  const int seq_len = *seq_len_ptr;  // a step input, as in the decode kernel: read before the wait
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
   const int pages_per_split = (num_pages + splits - 1) / splits;
+  wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's
   if (seq_len <= 0) return;
   const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;
   if (active_splits == 1) return;  // the decode kernel wrote the output itself
   const int h = blockIdx.x, kv_head = blockIdx.y;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const bool has_dims = lane < PA_D / 4;
   const size_t row0 = (size_t)kv_head * splits * PA_GQA + h;  // split s: row0 + s * GQA
 
-  // The largest split max, then each split's weight and the total softmax denominator.
-  float local = NEGATIVE_INFINITY;
-  for (int s = threadIdx.x; s < active_splits; s += COMBINE_THREADS)
-    local = fmaxf(local, partial_max_sum[2 * (row0 + (size_t)s * PA_GQA)]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) local = fmaxf(local, __shfl_xor_sync(FULL_MASK, local, offset));
-  if (lane == 0) reduce[warp] = local;
-  __syncthreads();
-  float total_max = reduce[0];
-#pragma unroll
-  for (int w = 1; w < COMBINE_GROUPS; ++w) total_max = fmaxf(total_max, reduce[w]);
-  __syncthreads();  // everyone has read `reduce` before it is reused
-  float denominator = 0.0f;
-  for (int s = threadIdx.x; s < active_splits; s += COMBINE_THREADS) {
-    const size_t r = row0 + (size_t)s * PA_GQA;
-    weight[s] = fast_exp2(partial_max_sum[2 * r] - total_max);
-    denominator = fmaf(partial_max_sum[2 * r + 1], weight[s], denominator);
-  }
-  denominator = warp_sum(denominator);
-  if (lane == 0) reduce[warp] = denominator;
-  __syncthreads();  // weights and partial denominators are all written
-  denominator = 0.0f;
-#pragma unroll
-  for (int w = 0; w < COMBINE_GROUPS; ++w) denominator += reduce[w];
-
-  // Weighted sum of the splits' shares: lane = 4 dims, warp = every 8th split, unrolled so
-  // several 16-byte loads are in flight per thread.
+  float m = NEGATIVE_INFINITY, l = 0.0f;  // a warp without splits keeps m = -inf: weight 0 below
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (lane < PA_D / 4) {
 #pragma unroll 4
-    for (int s = warp; s < active_splits; s += COMBINE_GROUPS) {
-      const float4 v = *reinterpret_cast<const float4*>(partial_acc + (row0 + (size_t)s * PA_GQA) * PA_D + 4 * lane);
-      const float w = weight[s];
-      acc.x = fmaf(v.x, w, acc.x), acc.y = fmaf(v.y, w, acc.y), acc.z = fmaf(v.z, w, acc.z), acc.w = fmaf(v.w, w, acc.w);
-    }
+  for (int s = warp; s < active_splits; s += COMBINE_WARPS) {
+    const size_t r = row0 + (size_t)s * PA_GQA;
+    const float2 max_sum = *reinterpret_cast<const float2*>(partial_max_sum + 2 * r);  // every lane, one broadcast
+    const float4 v = has_dims ? *reinterpret_cast<const float4*>(partial_acc + r * PA_D + 4 * lane) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float new_max = fmaxf(m, max_sum.x);  // finite: a split with pages has a finite max
+    const float keep = fast_exp2(m - new_max), weight = fast_exp2(max_sum.x - new_max);
+    m = new_max;
+    l = fmaf(l, keep, max_sum.y * weight);
+    acc.x = fmaf(acc.x, keep, v.x * weight), acc.y = fmaf(acc.y, keep, v.y * weight);
+    acc.z = fmaf(acc.z, keep, v.z * weight), acc.w = fmaf(acc.w, keep, v.w * weight);
   }
-  group_sum[warp][lane] = acc;
+  if (lane == 0) warp_max[warp] = m, warp_sum[warp] = l;
+  warp_acc[warp][lane] = acc;
   __syncthreads();
-  if (warp == 0 && lane < PA_D / 4) {
-    float4 total = group_sum[0][lane];
+  if (warp == 0 && has_dims) {
+    float total_max = NEGATIVE_INFINITY;
 #pragma unroll
-    for (int w = 1; w < COMBINE_GROUPS; ++w) {
-      const float4 g = group_sum[w][lane];
-      total.x += g.x, total.y += g.y, total.z += g.z, total.w += g.w;
+    for (int w = 0; w < COMBINE_WARPS; ++w) total_max = fmaxf(total_max, warp_max[w]);
+    float denominator = 0.0f;
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) {
+      const float weight = fast_exp2(warp_max[w] - total_max);  // 0 for a warp without splits
+      const float4 g = warp_acc[w][lane];
+      denominator = fmaf(warp_sum[w], weight, denominator);
+      total.x = fmaf(g.x, weight, total.x), total.y = fmaf(g.y, weight, total.y);
+      total.z = fmaf(g.z, weight, total.z), total.w = fmaf(g.w, weight, total.w);
     }
     const float inv = 1.0f / denominator;
     unsigned* dst = reinterpret_cast<unsigned*>(out + (kv_head * PA_GQA + h) * PA_D + 4 * lane);

@@ -115,13 +115,13 @@ def block_threads(config) -> dict[str, int]:
 
 
 def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128,
-                warps_per_sm: int = GEMV_WARPS_PER_SM) -> int:
+                warps_per_sm: int = GEMV_WARPS_PER_SM, min_groups_per_split: int = MIN_GROUPS_PER_SPLIT) -> int:
     """Split-K factor for a decode GEMV: about `warps_per_sm` (tile, split) warps per SM, while
-    each split keeps at least MIN_GROUPS_PER_SPLIT groups and a tile's splits fit one block."""
+    each split keeps at least `min_groups_per_split` groups and a tile's splits fit one block."""
     tiles = -(-out_features // TILE_ROWS)
     groups = in_features // group_size
     wanted = -(-warps_per_sm * num_sms // tiles)
-    return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT, GEMV_MAX_SPLITS))
+    return max(1, min(wanted, groups // min_groups_per_split, GEMV_MAX_SPLITS))
 
 
 def split_k_launch(out_features: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:

@@ -355,7 +355,7 @@ def test_every_waiting_kernel_also_lets_the_next_one_launch():
             continue
         body = source[source.index(f"{name}("):]
         body = body[: body.find('extern "C"') if 'extern "C"' in body else len(body)]
-        assert "let_next_kernel_launch();" in body or "_partials<" in body, name
+        assert "let_next_kernel_launch();" in body or "_split_k<" in body, name
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -401,8 +401,8 @@ def test_pdl_graph_tokens_equal_plain_graph_and_numpy(engines, prompt):
 
 def _step_buffers(backend) -> dict:
     """Every device buffer one decode step writes, by name."""
-    names = ("residual", "normed", "qkv_partials", "q", "attn_out", "o_partials", "mlp_hidden", "gate_up_out",
-             "down_partials", "logits", "candidate_values", "candidate_indices")
+    names = ("residual", "normed", "qkv_out", "q", "attn_out", "o_out", "mlp_hidden", "gate_up_out",
+             "down_out", "logits", "candidate_values", "candidate_indices")
     buffers = {name: getattr(backend, name) for name in names if getattr(backend, name) is not None}
     buffers.update(state=backend.state, kv_pool=backend.kv_pool)
     for name in ("partial_max_sum", "partial_acc"):

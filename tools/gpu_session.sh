@@ -54,7 +54,7 @@ case "${1:-checks}" in
         --json '$OUT/bench-7b-base-$run.json'"
     done
     step "GPU tests" 240 $PYTEST tests/test_kernels_cuda.py tests/test_cuda_graph.py tests/test_int8_path.py \
-      tests/test_attention_cuda.py
+      tests/test_attention_cuda.py tests/test_pdl.py
     ;;
 esac
 echo "=== summary"

@@ -7,6 +7,7 @@ after a 512-token prompt, for each combination of
     NQ_GATE_UP_STAGES   ring slots of gemv_int4_gate_up_silu          (compile time)
     NQ_SPLIT_K_STAGES   ring slots of the split-K GEMVs (qkv, o, down) (compile time)
     warps per SM        the split-K target of backend_cuda.gemv_splits  (launch time)
+    groups per split    the least input groups a split keeps            (launch time)
     carve-out           the preferred share of each SM's shared memory capacity, in percent, set
                         on the split-K GEMVs (-1: the driver's choice; the engine's default is 50); it caps how
                         many of their blocks an SM holds at once
@@ -33,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_WARPS_PER_SM, SPLIT_K_CARVEOUT_PERCENT, CudaBackend, gemv_splits, set_carveout,
+    GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, SPLIT_K_CARVEOUT_PERCENT, CudaBackend,
+    gemv_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
@@ -43,7 +45,7 @@ from nanoqwen.loader import load  # noqa: E402
 GEMV_KERNEL_NAMES = (*GEMV_KERNELS.values(), "gemv_int4_gate_up_silu")
 
 
-def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) -> None:
+def use_variant(backend: CudaBackend, module, warps_per_sm: int, min_groups: int, carveout: int) -> None:
     """Point `backend` at this module's GEMV kernels, this split-K target and this carve-out; the
     decode graph is captured again at its next use."""
     c = backend.config
@@ -54,7 +56,8 @@ def use_variant(backend: CudaBackend, module, warps_per_sm: int, carveout: int) 
         set_carveout(backend.kernels[name], carveout)
         backend.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * backend.split_k_ring_bytes
     for linear in backend._linears():
-        linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm)
+        linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm,
+                                    min_groups)
     backend._graph = None
     backend.forget_step_inputs()
 
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gate-up-stages", type=int, nargs="+", default=[4, 5, 6, 7, 8])
     parser.add_argument("--split-k-stages", type=int, nargs="+", default=[3, 4, 5, 6])
     parser.add_argument("--warps-per-sm", type=int, nargs="+", default=[GEMV_WARPS_PER_SM])
+    parser.add_argument("--min-groups", type=int, nargs="+", default=[MIN_GROUPS_PER_SPLIT])
     parser.add_argument("--carveout", type=int, nargs="+", default=[SPLIT_K_CARVEOUT_PERCENT])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
@@ -74,9 +78,10 @@ def main(argv=None) -> int:
     c = model.config
     backend, page_table = prompted_backend(model)
 
-    variants = list(itertools.product(args.gate_up_stages, args.split_k_stages, args.warps_per_sm, args.carveout))
+    variants = list(itertools.product(args.gate_up_stages, args.split_k_stages, args.warps_per_sm, args.min_groups,
+                                      args.carveout))
     modules = {}
-    for gate_up, split_k, _, _ in variants:
+    for gate_up, split_k, *_ in variants:
         if (gate_up, split_k) not in modules:
             modules[gate_up, split_k] = cuda_build.compile_module(
                 c, files=("gemv_int4.cu",),
@@ -85,16 +90,16 @@ def main(argv=None) -> int:
     reference, logit_diff = None, {}
     for _ in range(args.rounds):
         for variant in variants:
-            gate_up, split_k, warps, carveout = variant
-            use_variant(backend, modules[gate_up, split_k], warps, carveout)
+            gate_up, split_k, warps, min_groups, carveout = variant
+            use_variant(backend, modules[gate_up, split_k], warps, min_groups, carveout)
             logits = backend.decode(1, PROMPT_TOKENS, page_table)
             if reference is None:
                 reference = logits
             logit_diff[variant] = float(np.abs(logits - reference).max())
             graph = backend.decode_graph()
             times[variant].append(time_decode_steps(backend, graph.launch, TIMING_STEPS, PROMPT_TOKENS, page_table))
-    rows = [{"gate_up_stages": v[0], "split_k_stages": v[1], "warps_per_sm": v[2], "carveout": v[3],
-             "splits": {name: gemv_splits(n, k, backend.num_sms, c.group_size, v[2]) for name, (n, k) in
+    rows = [{"gate_up_stages": v[0], "split_k_stages": v[1], "warps_per_sm": v[2], "min_groups": v[3], "carveout": v[4],
+             "splits": {name: gemv_splits(n, k, backend.num_sms, c.group_size, v[2], v[3]) for name, (n, k) in
                         (("qkv", (c.q_dim + 2 * c.kv_dim, c.hidden_size)), ("o", (c.hidden_size, c.q_dim)),
                          ("down", (c.hidden_size, c.intermediate_size)))},
              "ms_per_step": statistics.median(times[v]), "runs_ms": times[v], "max_logit_diff": logit_diff[v]}
@@ -102,9 +107,10 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: r["ms_per_step"])
     report_step_timings(
         "tools/sweep_gemv_stages.py", argv or sys.argv[1:], rows,
-        ["gate+up stages", "split-K stages", "warps/SM", "carve-out", "ms per step (median)", "spread",
-         "max logit diff vs first"],
-        [[r["gate_up_stages"], r["split_k_stages"], r["warps_per_sm"], r["carveout"], f"{r['ms_per_step']:.4f}",
+        ["gate+up stages", "split-K stages", "warps/SM", "min groups", "splits qkv/o/down", "carve-out",
+         "ms per step (median)", "spread", "max logit diff vs first"],
+        [[r["gate_up_stages"], r["split_k_stages"], r["warps_per_sm"], r["min_groups"],
+          "/".join(str(r["splits"][n]) for n in ("qkv", "o", "down")), r["carveout"], f"{r['ms_per_step']:.4f}",
           f"{max(r['runs_ms']) - min(r['runs_ms']):.4f}", f"{r['max_logit_diff']:.2e}"] for r in rows],
         args.json)
     model.close()
