@@ -52,14 +52,13 @@
 
 constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
-constexpr int GEMV_THREADS = 32;  // gate+up: one warp per block, tiny blocks spread evenly over the SMs
 constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/backend_cuda.py mirrors it
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
 // group). The best depths were found inside the decode step, where each GEMV fills its
 // ring while the kernel before it still runs, not in isolation: tools/sweep_gemv_stages.py.
 #ifndef NQ_GATE_UP_STAGES
-#define NQ_GATE_UP_STAGES 6
+#define NQ_GATE_UP_STAGES 4
 #endif
 #ifndef NQ_SPLIT_K_STAGES
 #define NQ_SPLIT_K_STAGES 4
@@ -133,6 +132,21 @@ struct GemvRing {
   uint4 x[STAGES][X_PIECES_PER_GROUP];
 };
 
+// A GEMV block's dynamic shared memory: one GemvRing per warp.
+extern __shared__ __align__(16) unsigned char gemv_shared[];
+
+// destination[0, count) = source[0, count), halves, as threads [thread, thread + threads) of the
+// block: 16-byte cp.async pieces where the source allows them (a tile's scales start 16-byte
+// aligned unless an odd row count puts up_proj's rows elsewhere), plain loads for the rest. The
+// cp.asyncs complete with the thread's next commit group; int4_tile_dot waits for them and then
+// meets the block at a barrier. destination must be 16-byte aligned.
+__device__ __forceinline__ void stage_scales(unsigned short* destination, const unsigned short* __restrict__ source,
+                                             int count, int thread, int threads) {
+  const int pieces = reinterpret_cast<unsigned long long>(source) % 16 == 0 ? count / 8 : 0;
+  for (int p = thread; p < pieces; p += threads) copy_async_16B(destination + 8 * p, source + 8 * p);
+  for (int e = 8 * pieces + thread; e < count; e += threads) destination[e] = __ldg(source + e);
+}
+
 // For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the dot
 // products of rows rows[tile][0] (= row g of the tile) and rows[tile][1] (= row g + 8) with x
 // over the groups [group_begin, group_end).
@@ -143,11 +157,19 @@ struct GemvRing {
 // - weights: each lane copies exactly the two 16-byte pieces it later reads itself;
 // - x: lanes 0-15 copy its 256 bytes; every lane reads 64 of them, so the lanes meet at
 //   __syncwarp between copy and use.
-// The scales, two bytes per row and group, are too small for cp.async: they are loaded as raw
-// fp16 into a register ring the same STAGES - 1 groups ahead and converted where they are used
-// (a conversion at the load would stall the warp on it), and the prologue asks L1 to fetch every
-// 128-byte line of scales the warp will need, so those loads hit. The loop is unrolled by STAGES
-// because register arrays need compile-time indices.
+// The scales, two bytes per row and group, come one of two ways:
+// - STAGED: from shared memory, where the caller copied its tiles' scales before the wait
+//   (stage_scales); `tile_scales` holds them as [TILES][16 rows][GROUPS], rows g and g + 8 (or the
+//   last row, where a tile runs past the end) at scale_rows. gate+up, whose warps cover many
+//   groups, reads them so: loaded from global memory instead (below), ncu counted 23% more L2
+//   sectors than the kernel's bytes and a third of the warps' stall cycles waiting on them.
+// - otherwise from global memory (`scales`, row-major [rows][GROUPS]): each lane loads its rows'
+//   raw fp16 into a register ring the same STAGES - 1 groups ahead and converts them where they
+//   are used (a conversion at the load would stall the warp on it), and the prologue asks L1 to
+//   fetch every 128-byte line of scales the warp will need, so those loads hit. The split-K warps
+//   take few groups each, and staging a down_proj tile's 4.7 KB of scales cost their blocks the
+//   shared memory to fit two to an SM (decode step 1.71 -> 1.86 ms, session 7).
+// The loop is unrolled by STAGES because register arrays need compile-time indices.
 //
 // What the H200 said (results/gemv-lab-h200.md): with x loaded from global memory at the top of
 // every group and each scale converted as it was loaded, a warp spent ~1300 cycles per group even
@@ -155,9 +177,10 @@ struct GemvRing {
 // inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
 // in front still runs; with the tiled weights the step is fastest with 6 slots for gate+up and 4
 // for the split-K GEMVs (session 5). `ring` is this warp's own.
-template <int K, int TILES, int STAGES>
+template <int K, int TILES, int STAGES, bool STAGED>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
+                                              const unsigned short* tile_scales, const int (&scale_rows)[2],
                                               const unsigned short* x, const int (&rows)[TILES][2],
                                               int group_begin, int group_end, GemvRing<STAGES, TILES>& ring,
                                               float (&acc)[TILES][2]) {
@@ -166,10 +189,11 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   auto& x_ring = ring.x;
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
-  unsigned short scale_ring[STAGES][TILES][2];
+  unsigned short scale_ring[STAGES][TILES][2];  // not STAGED only
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
-  // weights and scales always, x only once the previous kernel has written it (WITH_X).
+  // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
+  // (WITH_X).
   // Row r's 64 bytes of a group sit at word ((r / 16 * GROUPS + group) * 16 + r % 16) * 16 of
   // the tiled weights (quant.tile_int4); the lane's piece is 4 t words further.
 #define NQ_FETCH_GROUP(i, SLOT, WITH_X)                                                                  \
@@ -180,22 +204,24 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
         const long long row = rows[tile][r];                                                             \
         const long long tiled_row = (row / TILE_ROWS * GROUPS + group) * TILE_ROWS + row % TILE_ROWS;   \
         copy_async_16B(&weight_ring[SLOT][tile][r][lane], qweight + tiled_row * WORDS_PER_GROUP + 4 * t); \
-        scale_ring[SLOT][tile][r] = __ldg(scales + row * GROUPS + group);                                \
+        if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scales + row * GROUPS + group);          \
       }                                                                                                  \
     }                                                                                                    \
     if ((WITH_X) && lane < X_PIECES_PER_GROUP)                                                           \
       copy_async_16B(&x_ring[SLOT][lane], x + group * NQ_GROUP_SIZE + 8 * lane);                          \
   } while (0)
 
-  // The scales of the range: lane (g, t) warms the L1 lines of row g's (t = 0, 1) or row
-  // g + 8's (t = 2, 3) scales, every other 128-byte line each.
+  if constexpr (!STAGED) {
+    // The scales of the range: lane (g, t) warms the L1 lines of row g's (t = 0, 1) or row
+    // g + 8's (t = 2, 3) scales, every other 128-byte line each.
 #pragma unroll
-  for (int tile = 0; tile < TILES; ++tile) {
-    const unsigned short* first = scales + (long long)rows[tile][t / 2] * GROUPS + group_begin;
-    const unsigned short* last = first + max(count, 1) - 1;
-    for (const char* line = reinterpret_cast<const char*>((unsigned long long)first & ~127ull) + 128 * (t % 2);
-         line <= reinterpret_cast<const char*>(last); line += 256)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+    for (int tile = 0; tile < TILES; ++tile) {
+      const unsigned short* first = scales + (long long)rows[tile][t / 2] * GROUPS + group_begin;
+      const unsigned short* last = first + max(count, 1) - 1;
+      for (const char* line = reinterpret_cast<const char*>((unsigned long long)first & ~127ull) + 128 * (t % 2);
+           line <= reinterpret_cast<const char*>(last); line += 256)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+    }
   }
 #pragma unroll
   for (int u = 0; u < STAGES - 1; ++u) {
@@ -208,7 +234,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
     if (u < count && lane < X_PIECES_PER_GROUP)
       copy_async_16B(&x_ring[u][lane], x + (group_begin + u) * NQ_GROUP_SIZE + 8 * lane);
   copy_async_commit();
-  copy_async_wait<0>();  // the prologue's groups and their x
+  copy_async_wait<0>();  // the prologue's groups, their x (and, STAGED, this thread's share of the scales)
+  if constexpr (STAGED) __syncthreads();  // and every other thread's share: the block stages them together
   for (int first = 0; first < count; first += STAGES) {
 #pragma unroll
     for (int u = 0; u < STAGES; ++u) {
@@ -241,8 +268,13 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
             mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
           }
           // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
-          acc[tile][0] = fmaf(half_to_float(scale_ring[u][tile][0]), d[0], acc[tile][0]);
-          acc[tile][1] = fmaf(half_to_float(scale_ring[u][tile][1]), d[2], acc[tile][1]);
+          unsigned short scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
+          if constexpr (STAGED) {
+            const unsigned short* group_scales = tile_scales + tile * TILE_ROWS * GROUPS + group_begin + i;
+            scale0 = group_scales[scale_rows[0] * GROUPS], scale1 = group_scales[scale_rows[1] * GROUPS];
+          }
+          acc[tile][0] = fmaf(half_to_float(scale0), d[0], acc[tile][0]);
+          acc[tile][1] = fmaf(half_to_float(scale1), d[2], acc[tile][1]);
         }
       }
     }
@@ -266,15 +298,15 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
                                                   const unsigned short* __restrict__ bias,
                                                   const unsigned short* x, float* __restrict__ y, int n_rows) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  extern __shared__ __align__(16) unsigned char gemv_shared[];
   __shared__ float split_sums[SPLIT_K_MAX_WARPS][TILE_ROWS];
   let_next_kernel_launch();
   const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
   // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
+  const int unused[2] = {0, 0};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, NQ_SPLIT_K_STAGES>(qweight, scales, x, rows, split * GROUPS / splits,
+  int4_tile_dot<K, 1, NQ_SPLIT_K_STAGES, false>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
                                          (split + 1) * GROUPS / splits,
                                          reinterpret_cast<SplitKRing*>(gemv_shared)[split], acc);
   if (lane % 4 == 0) {
@@ -306,32 +338,52 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
-// qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]); each warp takes the
-// same 16 rows of both, over the whole input (silu needs the finished sum: no split).
+// qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]). Block `tile` takes the
+// same 16 rows of both; its `splits` warps (blockDim.x / 32) split the input groups as the split-K
+// GEMVs do and add their sums in split order, and its first 16 threads apply silu to the finished
+// sums. One warp per tile issues too few instructions to keep its bytes moving: ncu measured 2.2
+// warps per scheduler, each issuing every 5 cycles, at 64% of the DRAM bandwidth (session 7).
 // A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
 // diagonal holding 8 groups) timed within a microsecond of the row-major 16-row form in
 // isolation, either way round over three A/B runs on an H200, and made the whole decode step
 // under programmatic dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
-// grid (ceil(I / 16 / warps per block)), block (GEMV_THREADS); h fp16 [I]
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
+// grid (ceil(I / 16)), block (32 splits, splits <= GATE_UP_MAX_SPLITS), splits rings of shared
+// memory; h fp16 [I]
+constexpr int GATE_UP_MAX_SPLITS = 4;  // nanoqwen/backend_cuda.py mirrors it
+using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
+__device__ int gemv_gate_up_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
+
+extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                        const unsigned short* x, unsigned short* __restrict__ h) {
   constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  constexpr int TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
+  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * GROUPS];  // gate's tile, up's tile
+  __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][TILE_ROWS];
   let_next_kernel_launch();
-  const int wanted_tile = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-  const int tile = min(wanted_tile, TILES - 1);  // extra warps repeat the last tile, unwritten, but wait
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = tile * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int first_row = blockIdx.x * TILE_ROWS, tile_rows = min(TILE_ROWS, NQ_INTERMEDIATE - first_row);
+  stage_scales(tile_scales[0], scales + (long long)first_row * GROUPS, tile_rows * GROUPS, threadIdx.x, blockDim.x);
+  stage_scales(tile_scales[1], scales + (long long)(NQ_INTERMEDIATE + first_row) * GROUPS, tile_rows * GROUPS,
+               threadIdx.x, blockDim.x);
+  const int row0 = first_row + lane / 4, row1 = row0 + 8;
   const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
-  __shared__ GemvRing<NQ_GATE_UP_STAGES, 2> ring;  // one warp per block: the block's ring is the warp's
+  const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};  // up's rows sit as gate's in their tile
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES>(qweight, scales, x, rows, 0, GROUPS, ring, acc);
-  if (lane % 4 == 0 && wanted_tile == tile) {
+  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES, true>(qweight, scales, tile_scales[0], scale_rows, x, rows,
+                                                       split * GROUPS / splits, (split + 1) * GROUPS / splits,
+                                                       reinterpret_cast<GateUpRing*>(gemv_shared)[split], acc);
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) split_sums[split][m][lane / 4] = acc[m][0], split_sums[split][m][lane / 4 + 8] = acc[m][1];
+  }
+  __syncthreads();
+  const int row = first_row + threadIdx.x;
+  if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) {
+    float gate = split_sums[0][0][threadIdx.x], up = split_sums[0][1][threadIdx.x];
+    for (int s = 1; s < splits; ++s) gate += split_sums[s][0][threadIdx.x], up += split_sums[s][1][threadIdx.x];
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
-    if (row0 < NQ_INTERMEDIATE) h[row0] = float_to_half(acc[0][0] / (1.0f + expf(-acc[0][0])) * acc[1][0]);
-    if (row1 < NQ_INTERMEDIATE) h[row1] = float_to_half(acc[0][1] / (1.0f + expf(-acc[0][1])) * acc[1][1]);
+    h[row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
   }
 }
 

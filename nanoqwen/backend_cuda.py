@@ -49,8 +49,10 @@ from .quant import TILE_ROWS, tile_int4
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
-GEMV_THREADS = 32  # gemv_int4_gate_up_silu: one warp per block
 GEMV_MAX_SPLITS = 16  # warps of a split-K GEMV block (kernels/gemv_int4.cu SPLIT_K_MAX_WARPS)
+GATE_UP_MAX_SPLITS = 4  # warps of a gate+up block (kernels/gemv_int4.cu GATE_UP_MAX_SPLITS)
+# Warps per 16-row tile of the gate+up GEMV, each a share of the input groups.
+GATE_UP_SPLITS = 2
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
 ELEMENTWISE_THREADS = 256
@@ -65,6 +67,9 @@ GEMV_WARPS_PER_SM = 16
 # decode step 11-14 us faster on an H200 (results/gemv-warps-carveout-sweep-h200.json, and
 # results/norm-cluster-h200.json, 2026-11-29); -1 leaves the driver's choice.
 SPLIT_K_CARVEOUT_PERCENT = 50
+# gate+up's blocks take their rings as dynamic shared memory, and the driver, left to choose,
+# carved out too little for all 9 of an SM's blocks to be resident at once (session 7).
+GATE_UP_CARVEOUT_PERCENT = 100
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -73,6 +78,10 @@ ACTIVATIONS = ("fp16", "int8")
 # after them (prefill's activations for a PREFILL_CHUNK of the 7B take ~0.3 GB).
 PREFILL_CACHE_HEADROOM_BYTES = 2 * 2**30
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
+GEMV_RINGS = {  # GEMV kernel -> (its module's variable holding one warp's ring bytes, most warps a block holds)
+    **{name: ("gemv_split_k_ring_bytes", GEMV_MAX_SPLITS) for name in GEMV_KERNELS.values()},
+    "gemv_int4_gate_up_silu": ("gemv_gate_up_ring_bytes", GATE_UP_MAX_SPLITS),
+}
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
 
@@ -152,9 +161,21 @@ def greedy_token_of(head: np.ndarray) -> int:
     return int(head[STATE_TOKEN])
 
 
-def gate_up_launch(intermediate_size: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of gemv_int4_gate_up_silu: one warp per 16-row tile of gate and of up."""
-    return (-(-intermediate_size // TILE_ROWS),), (GEMV_THREADS,)
+def gate_up_launch(intermediate_size: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
+    """(grid, block, dynamic shared bytes) of gemv_int4_gate_up_silu: one block per 16-row tile of
+    gate and of up, `splits` warps in it, each with a ring of `ring_bytes` (gemv_gate_up_ring_bytes)."""
+    if not 1 <= splits <= GATE_UP_MAX_SPLITS:
+        raise ValueError(f"a gate+up block holds 1..{GATE_UP_MAX_SPLITS} splits, got {splits}")
+    return (-(-intermediate_size // TILE_ROWS),), (splits * 32,), splits * ring_bytes
+
+
+def fit_gemv_rings(kernel, module, name: str) -> int:
+    """Let GEMV `kernel` (`module`'s `name`) take the dynamic shared memory of its largest block,
+    one ring per warp; returns one warp's ring bytes, which split_k_launch and gate_up_launch take."""
+    variable, most_warps = GEMV_RINGS[name]
+    ring_bytes = cuda_build.module_int(module, variable)
+    kernel.max_dynamic_shared_size_bytes = most_warps * ring_bytes
+    return ring_bytes
 
 
 def set_carveout(kernel, percent: int) -> None:
@@ -248,10 +269,12 @@ class CudaBackend:
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
             )
         }
-        self.split_k_ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")
         for name in GEMV_KERNELS.values():
             set_carveout(self.kernels[name], SPLIT_K_CARVEOUT_PERCENT)
-            self.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * self.split_k_ring_bytes
+            self.split_k_ring_bytes = fit_gemv_rings(self.kernels[name], module, name)
+        self.gate_up_splits = GATE_UP_SPLITS
+        self.gate_up_ring_bytes = fit_gemv_rings(self.kernels["gemv_int4_gate_up_silu"], module, "gemv_int4_gate_up_silu")
+        set_carveout(self.kernels["gemv_int4_gate_up_silu"], GATE_UP_CARVEOUT_PERCENT)
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:
@@ -413,8 +436,9 @@ class CudaBackend:
         """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
+            grid, block, shared_mem = gate_up_launch(c.intermediate_size, self.gate_up_splits, self.gate_up_ring_bytes)
             self.kernels["gemv_int4_gate_up_silu"](
-                *gate_up_launch(c.intermediate_size), (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden),
+                grid, block, (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden), shared_mem=shared_mem,
             )
             return
         self.int8_layers[layer]["gate_up"](self.normed, self.gate_up_out)

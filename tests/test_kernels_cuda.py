@@ -34,8 +34,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, CudaBackend, block_threads, gate_up_launch,
-    gemv_splits, persistent_blocks, split_k_launch,
+    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, CudaBackend, block_threads,
+    fit_gemv_rings, gate_up_launch, gemv_splits, persistent_blocks, split_k_launch,
 )
 
 ODD = ModelConfig(
@@ -183,8 +183,7 @@ def test_gemv_int4_split_k(case, split_choice):
               "a block's most": min(k // 128, GEMV_MAX_SPLITS)}[split_choice]
     out = poisoned(n, cp.float32)
     function = kernel(config_name, name)
-    ring_bytes = cuda_build.module_int(module(config_name), "gemv_split_k_ring_bytes")
-    function.max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * ring_bytes
+    ring_bytes = fit_gemv_rings(function, module(config_name), name)
     grid, block, shared_mem = split_k_launch(n, splits, ring_bytes)
     function(grid, block, (*device_tiled(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
                            out, np.int32(n)), shared_mem=shared_mem)
@@ -197,16 +196,18 @@ def test_gemv_int4_split_k(case, split_choice):
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
-def test_gemv_int4_gate_up_silu(config_name):
+@pytest.mark.parametrize("splits", [1, 2, GATE_UP_MAX_SPLITS])
+def test_gemv_int4_gate_up_silu(config_name, splits):
     c = CONFIGS[config_name]
     i, h = c.intermediate_size, c.hidden_size
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng([11, splits])
     qweight, scales = random_int4(rng, 2 * i, h)
     x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
     out = poisoned(i, cp.float16)
-    kernel(config_name, "gemv_int4_gate_up_silu")(
-        *gate_up_launch(i), (*device_tiled(qweight, scales), cp.asarray(x), out)
-    )
+    function = kernel(config_name, "gemv_int4_gate_up_silu")
+    ring_bytes = fit_gemv_rings(function, module(config_name), "gemv_int4_gate_up_silu")
+    grid, block, shared_mem = gate_up_launch(i, splits, ring_bytes)
+    function(grid, block, (*device_tiled(qweight, scales), cp.asarray(x), out), shared_mem=shared_mem)
     rows = checked_rows(rng, i)
     gate, gate_bound = int4_reference(qweight, scales, None, x, rows)
     up, up_bound = int4_reference(qweight, scales, None, x, rows + i)

@@ -256,10 +256,8 @@ def path_b_kernels(cp):
             getattr(backend_cuda, needed)
     except Exception as exc:  # not written yet, renamed, or does not compile
         return None, f"{type(exc).__name__}: {exc}"
-    ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")
-    for width in ("hidden", "q_dim", "intermediate"):
-        kernels[f"gemv_int4_from_{width}"].max_dynamic_shared_size_bytes = backend_cuda.GEMV_MAX_SPLITS * ring_bytes
-    return types.SimpleNamespace(kernels=kernels, backend_cuda=backend_cuda, split_k_ring_bytes=ring_bytes), None
+    ring_bytes = {name: backend_cuda.fit_gemv_rings(function, module, name) for name, function in kernels.items()}
+    return types.SimpleNamespace(kernels=kernels, backend_cuda=backend_cuda, ring_bytes=ring_bytes), None
 
 
 class PathB:
@@ -275,7 +273,8 @@ class PathB:
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
         self.out = cp.empty(n, dtype=cp.float32)
-        self._launcher = types.SimpleNamespace(kernels=path_b.kernels, split_k_ring_bytes=path_b.split_k_ring_bytes)
+        self._launcher = types.SimpleNamespace(kernels=path_b.kernels,
+                                               split_k_ring_bytes=path_b.ring_bytes[self.kernel_name])
         self._gemv = bc.CudaBackend._gemv
 
     def __call__(self, x) -> None:
@@ -285,7 +284,9 @@ class PathB:
 def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
     """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
     bc = path_b.backend_cuda
-    path_b.kernels["gemv_int4_gate_up_silu"](*bc.gate_up_launch(CONFIG.intermediate_size), (qweight, scales, x, h))
+    name = "gemv_int4_gate_up_silu"
+    grid, block, shared_mem = bc.gate_up_launch(CONFIG.intermediate_size, bc.GATE_UP_SPLITS, path_b.ring_bytes[name])
+    path_b.kernels[name](grid, block, (qweight, scales, x, h), shared_mem=shared_mem)
 
 
 # ----------------------------------------------------------------------------- one shape

@@ -8,6 +8,7 @@ after a 512-token prompt, for each combination of
     NQ_SPLIT_K_STAGES   ring slots of the split-K GEMVs (qkv, o, down) (compile time)
     warps per SM        the split-K target of backend_cuda.gemv_splits  (launch time)
     groups per split    the least input groups a split keeps            (launch time)
+    gate+up splits      warps per 16-row tile of gemv_int4_gate_up_silu (launch time)
     carve-out           the preferred share of each SM's shared memory capacity, in percent, set
                         on the split-K GEMVs (-1: the driver's choice; the engine's default is 50); it caps how
                         many of their blocks an SM holds at once
@@ -34,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, SPLIT_K_CARVEOUT_PERCENT, CudaBackend,
-    gemv_splits, set_carveout,
+    GATE_UP_CARVEOUT_PERCENT, GATE_UP_SPLITS, GEMV_KERNELS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, SPLIT_K_CARVEOUT_PERCENT, CudaBackend,
+    fit_gemv_rings, gemv_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
@@ -45,16 +46,19 @@ from nanoqwen.loader import load  # noqa: E402
 GEMV_KERNEL_NAMES = (*GEMV_KERNELS.values(), "gemv_int4_gate_up_silu")
 
 
-def use_variant(backend: CudaBackend, module, warps_per_sm: int, min_groups: int, carveout: int) -> None:
+def use_variant(backend: CudaBackend, module, warps_per_sm: int, min_groups: int, gate_up_splits: int,
+                carveout: int) -> None:
     """Point `backend` at this module's GEMV kernels, this split-K target and this carve-out; the
     decode graph is captured again at its next use."""
     c = backend.config
     for name in GEMV_KERNEL_NAMES:
         backend.kernels[name] = StepKernel(module.get_function(name), name)
-    backend.split_k_ring_bytes = cuda_build.module_int(module, "gemv_split_k_ring_bytes")  # follows the stages
-    for name in GEMV_KERNELS.values():
+    for name in GEMV_KERNELS.values():  # the ring bytes follow the module's stages
         set_carveout(backend.kernels[name], carveout)
-        backend.kernels[name].max_dynamic_shared_size_bytes = GEMV_MAX_SPLITS * backend.split_k_ring_bytes
+        backend.split_k_ring_bytes = fit_gemv_rings(backend.kernels[name], module, name)
+    backend.gate_up_ring_bytes = fit_gemv_rings(backend.kernels["gemv_int4_gate_up_silu"], module, "gemv_int4_gate_up_silu")
+    set_carveout(backend.kernels["gemv_int4_gate_up_silu"], GATE_UP_CARVEOUT_PERCENT)
+    backend.gate_up_splits = gate_up_splits
     for linear in backend._linears():
         linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm,
                                     min_groups)
@@ -69,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--split-k-stages", type=int, nargs="+", default=[3, 4, 5, 6])
     parser.add_argument("--warps-per-sm", type=int, nargs="+", default=[GEMV_WARPS_PER_SM])
     parser.add_argument("--min-groups", type=int, nargs="+", default=[MIN_GROUPS_PER_SPLIT])
+    parser.add_argument("--gate-up-splits", type=int, nargs="+", default=[GATE_UP_SPLITS])
     parser.add_argument("--carveout", type=int, nargs="+", default=[SPLIT_K_CARVEOUT_PERCENT])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
     backend, page_table = prompted_backend(model)
 
     variants = list(itertools.product(args.gate_up_stages, args.split_k_stages, args.warps_per_sm, args.min_groups,
-                                      args.carveout))
+                                      args.gate_up_splits, args.carveout))
     modules = {}
     for gate_up, split_k, *_ in variants:
         if (gate_up, split_k) not in modules:
@@ -90,15 +95,16 @@ def main(argv=None) -> int:
     reference, logit_diff = None, {}
     for _ in range(args.rounds):
         for variant in variants:
-            gate_up, split_k, warps, min_groups, carveout = variant
-            use_variant(backend, modules[gate_up, split_k], warps, min_groups, carveout)
+            gate_up, split_k, warps, min_groups, gate_up_splits, carveout = variant
+            use_variant(backend, modules[gate_up, split_k], warps, min_groups, gate_up_splits, carveout)
             logits = backend.decode(1, PROMPT_TOKENS, page_table)
             if reference is None:
                 reference = logits
             logit_diff[variant] = float(np.abs(logits - reference).max())
             graph = backend.decode_graph()
             times[variant].append(time_decode_steps(backend, graph.launch, TIMING_STEPS, PROMPT_TOKENS, page_table))
-    rows = [{"gate_up_stages": v[0], "split_k_stages": v[1], "warps_per_sm": v[2], "min_groups": v[3], "carveout": v[4],
+    rows = [{"gate_up_stages": v[0], "split_k_stages": v[1], "warps_per_sm": v[2], "min_groups": v[3],
+             "gate_up_splits": v[4], "carveout": v[5],
              "splits": {name: gemv_splits(n, k, backend.num_sms, c.group_size, v[2], v[3]) for name, (n, k) in
                         (("qkv", (c.q_dim + 2 * c.kv_dim, c.hidden_size)), ("o", (c.hidden_size, c.q_dim)),
                          ("down", (c.hidden_size, c.intermediate_size)))},
@@ -107,9 +113,9 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: r["ms_per_step"])
     report_step_timings(
         "tools/sweep_gemv_stages.py", argv or sys.argv[1:], rows,
-        ["gate+up stages", "split-K stages", "warps/SM", "min groups", "splits qkv/o/down", "carve-out",
-         "ms per step (median)", "spread", "max logit diff vs first"],
-        [[r["gate_up_stages"], r["split_k_stages"], r["warps_per_sm"], r["min_groups"],
+        ["gate+up stages", "split-K stages", "warps/SM", "min groups", "gate+up splits", "splits qkv/o/down",
+         "carve-out", "ms per step (median)", "spread", "max logit diff vs first"],
+        [[r["gate_up_stages"], r["split_k_stages"], r["warps_per_sm"], r["min_groups"], r["gate_up_splits"],
           "/".join(str(r["splits"][n]) for n in ("qkv", "o", "down")), r["carveout"], f"{r['ms_per_step']:.4f}",
           f"{max(r['runs_ms']) - min(r['runs_ms']):.4f}", f"{r['max_logit_diff']:.2e}"] for r in rows],
         args.json)
