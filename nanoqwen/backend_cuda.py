@@ -67,9 +67,6 @@ GEMV_WARPS_PER_SM = 16
 # decode step 11-14 us faster on an H200 (results/gemv-warps-carveout-sweep-h200.json, and
 # results/norm-cluster-h200.json, 2026-11-29); -1 leaves the driver's choice.
 SPLIT_K_CARVEOUT_PERCENT = 50
-# gate+up's blocks take their rings as dynamic shared memory, and the driver, left to choose,
-# carved out too little for all 9 of an SM's blocks to be resident at once (session 7).
-GATE_UP_CARVEOUT_PERCENT = 100
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -274,7 +271,6 @@ class CudaBackend:
             self.split_k_ring_bytes = fit_gemv_rings(self.kernels[name], module, name)
         self.gate_up_splits = GATE_UP_SPLITS
         self.gate_up_ring_bytes = fit_gemv_rings(self.kernels["gemv_int4_gate_up_silu"], module, "gemv_int4_gate_up_silu")
-        set_carveout(self.kernels["gemv_int4_gate_up_silu"], GATE_UP_CARVEOUT_PERCENT)
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:

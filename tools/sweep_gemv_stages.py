@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GATE_UP_CARVEOUT_PERCENT, GATE_UP_SPLITS, GEMV_KERNELS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, SPLIT_K_CARVEOUT_PERCENT, CudaBackend,
+    GATE_UP_SPLITS, GEMV_KERNELS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, SPLIT_K_CARVEOUT_PERCENT, CudaBackend,
     fit_gemv_rings, gemv_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
@@ -57,7 +57,6 @@ def use_variant(backend: CudaBackend, module, warps_per_sm: int, min_groups: int
         set_carveout(backend.kernels[name], carveout)
         backend.split_k_ring_bytes = fit_gemv_rings(backend.kernels[name], module, name)
     backend.gate_up_ring_bytes = fit_gemv_rings(backend.kernels["gemv_int4_gate_up_silu"], module, "gemv_int4_gate_up_silu")
-    set_carveout(backend.kernels["gemv_int4_gate_up_silu"], GATE_UP_CARVEOUT_PERCENT)
     backend.gate_up_splits = gate_up_splits
     for linear in backend._linears():
         linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size, warps_per_sm,
