@@ -137,7 +137,8 @@ extern __shared__ __align__(16) unsigned char gemv_shared[];
 
 // destination[0, count) = source[0, count), halves, as threads [thread, thread + threads) of the
 // block: 16-byte cp.async pieces where the source allows them (a tile's scales start 16-byte
-// aligned unless an odd row count puts up_proj's rows elsewhere), plain loads for the rest. The
+// aligned, except up_proj's when intermediate_size x groups is not a multiple of 8), plain loads
+// for the rest. The
 // cp.asyncs complete with the thread's next commit group; int4_tile_dot waits for them and then
 // meets the block at a barrier. destination must be 16-byte aligned.
 __device__ __forceinline__ void stage_scales(unsigned short* destination, const unsigned short* __restrict__ source,
@@ -175,8 +176,9 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // every group and each scale converted as it was loaded, a warp spent ~1300 cycles per group even
 // with no weights loaded at all (session 4). With the row-major weights a deeper ring (8) won
 // inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
-// in front still runs; with the tiled weights the step is fastest with 6 slots for gate+up and 4
-// for the split-K GEMVs (session 5). `ring` is this warp's own.
+// in front still runs; with the tiled weights the step was fastest with 6 slots for gate+up and 4
+// for the split-K GEMVs (session 5), and with two warps per gate+up tile, 4 for both (session 7).
+// `ring` is this warp's own.
 template <int K, int TILES, int STAGES, bool STAGED>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
