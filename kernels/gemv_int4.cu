@@ -191,7 +191,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   auto& x_ring = ring.x;
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
-  unsigned short scale_ring[STAGES][TILES][2];  // not STAGED only
+  unsigned short scale_ring[STAGES][TILES][2];  // not STAGED only (unused registers otherwise)
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
   // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
@@ -270,10 +270,12 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
             mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
           }
           // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
-          unsigned short scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
+          unsigned short scale0, scale1;
           if constexpr (STAGED) {
             const unsigned short* group_scales = tile_scales + tile * TILE_ROWS * GROUPS + group_begin + i;
             scale0 = group_scales[scale_rows[0] * GROUPS], scale1 = group_scales[scale_rows[1] * GROUPS];
+          } else {
+            scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
           }
           acc[tile][0] = fmaf(half_to_float(scale0), d[0], acc[tile][0]);
           acc[tile][1] = fmaf(half_to_float(scale1), d[2], acc[tile][1]);
