@@ -130,12 +130,14 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     return max(1, min(wanted, groups // min_groups_per_split, GEMV_MAX_SPLITS))
 
 
-def split_k_launch(out_features: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
-    """(grid, block, dynamic shared bytes) of a split-K GEMV: one block of `splits` warps per
-    16-row tile, each warp with a ring of `ring_bytes` (the module's gemv_split_k_ring_bytes)."""
-    if not 1 <= splits <= GEMV_MAX_SPLITS:
-        raise ValueError(f"a split-K GEMV block holds 1..{GEMV_MAX_SPLITS} splits, got {splits}")
-    return (-(-out_features // TILE_ROWS),), (splits * 32,), splits * ring_bytes
+def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
+    """(grid, block, dynamic shared bytes) of a GEMV of GEMV_RINGS: one block per 16-row tile of its
+    `rows` output rows (gate+up: gate's, each block taking up's same rows too), `splits` warps in
+    it, each with a ring of `ring_bytes` (fit_gemv_rings)."""
+    most = GEMV_RINGS[kernel][1]
+    if not 1 <= splits <= most:
+        raise ValueError(f"a {kernel} block holds 1..{most} splits, got {splits}")
+    return (-(-rows // TILE_ROWS),), (splits * 32,), splits * ring_bytes
 
 
 def stack_linears(linears: list[Int4Linear]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -158,17 +160,9 @@ def greedy_token_of(head: np.ndarray) -> int:
     return int(head[STATE_TOKEN])
 
 
-def gate_up_launch(intermediate_size: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
-    """(grid, block, dynamic shared bytes) of gemv_int4_gate_up_silu: one block per 16-row tile of
-    gate and of up, `splits` warps in it, each with a ring of `ring_bytes` (gemv_gate_up_ring_bytes)."""
-    if not 1 <= splits <= GATE_UP_MAX_SPLITS:
-        raise ValueError(f"a gate+up block holds 1..{GATE_UP_MAX_SPLITS} splits, got {splits}")
-    return (-(-intermediate_size // TILE_ROWS),), (splits * 32,), splits * ring_bytes
-
-
 def fit_gemv_rings(kernel, module, name: str) -> int:
     """Let GEMV `kernel` (`module`'s `name`) take the dynamic shared memory of its largest block,
-    one ring per warp; returns one warp's ring bytes, which split_k_launch and gate_up_launch take."""
+    one ring per warp; returns one warp's ring bytes, which gemv_launch takes."""
     variable, most_warps = GEMV_RINGS[name]
     ring_bytes = cuda_build.module_int(module, variable)
     kernel.max_dynamic_shared_size_bytes = most_warps * ring_bytes
@@ -396,7 +390,7 @@ class CudaBackend:
         )
 
     def _gemv(self, kernel: str, linear: DeviceLinear, x, y) -> None:
-        grid, block, shared_mem = split_k_launch(linear.out_features, linear.splits, self.split_k_ring_bytes)
+        grid, block, shared_mem = gemv_launch(kernel, linear.out_features, linear.splits, self.split_k_ring_bytes)
         self.kernels[kernel](
             grid, block,
             (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, y,
@@ -432,7 +426,8 @@ class CudaBackend:
         """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
-            grid, block, shared_mem = gate_up_launch(c.intermediate_size, self.gate_up_splits, self.gate_up_ring_bytes)
+            grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", c.intermediate_size, self.gate_up_splits,
+                                                 self.gate_up_ring_bytes)
             self.kernels["gemv_int4_gate_up_silu"](
                 grid, block, (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden), shared_mem=shared_mem,
             )

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, CudaBackend, block_threads,
-    fit_gemv_rings, gate_up_launch, gemv_splits, persistent_blocks, split_k_launch,
+    fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks,
 )
 
 ODD = ModelConfig(
@@ -184,7 +184,7 @@ def test_gemv_int4_split_k(case, split_choice):
     out = poisoned(n, cp.float32)
     function = kernel(config_name, name)
     ring_bytes = fit_gemv_rings(function, module(config_name), name)
-    grid, block, shared_mem = split_k_launch(n, splits, ring_bytes)
+    grid, block, shared_mem = gemv_launch(name, n, splits, ring_bytes)
     function(grid, block, (*device_tiled(qweight, scales), NULL if bias is None else cp.asarray(bias), cp.asarray(x),
                            out, np.int32(n)), shared_mem=shared_mem)
     y = out.get().astype(np.float64)
@@ -206,7 +206,7 @@ def test_gemv_int4_gate_up_silu(config_name, splits):
     out = poisoned(i, cp.float16)
     function = kernel(config_name, "gemv_int4_gate_up_silu")
     ring_bytes = fit_gemv_rings(function, module(config_name), "gemv_int4_gate_up_silu")
-    grid, block, shared_mem = gate_up_launch(i, splits, ring_bytes)
+    grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", i, splits, ring_bytes)
     function(grid, block, (*device_tiled(qweight, scales), cp.asarray(x), out), shared_mem=shared_mem)
     rows = checked_rows(rng, i)
     gate, gate_bound = int4_reference(qweight, scales, None, x, rows)

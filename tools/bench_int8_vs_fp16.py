@@ -252,7 +252,7 @@ def path_b_kernels(cp):
         kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
                    for w in ("hidden", "q_dim", "intermediate")}
         kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")
-        for needed in ("gemv_splits", "DeviceLinear", "CudaBackend", "split_k_launch", "NULL"):
+        for needed in ("gemv_splits", "DeviceLinear", "CudaBackend", "gemv_launch", "NULL"):
             getattr(backend_cuda, needed)
     except Exception as exc:  # not written yet, renamed, or does not compile
         return None, f"{type(exc).__name__}: {exc}"
@@ -285,7 +285,7 @@ def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
     """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
     bc = path_b.backend_cuda
     name = "gemv_int4_gate_up_silu"
-    grid, block, shared_mem = bc.gate_up_launch(CONFIG.intermediate_size, bc.GATE_UP_SPLITS, path_b.ring_bytes[name])
+    grid, block, shared_mem = bc.gemv_launch(name, CONFIG.intermediate_size, bc.GATE_UP_SPLITS, path_b.ring_bytes[name])
     path_b.kernels[name](grid, block, (qweight, scales, x, h), shared_mem=shared_mem)
 
 

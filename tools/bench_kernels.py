@@ -29,8 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GATE_UP_SPLITS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gate_up_launch, gemv_splits, persistent_blocks,
-    split_k_launch,
+    GATE_UP_SPLITS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks,
 )
 from nanoqwen.quant import tile_int4  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
@@ -118,7 +117,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     ring_bytes = fit_gemv_rings(function, module, kernel)
     if fused:
         splits, out = GATE_UP_SPLITS, cp.empty(n, dtype=cp.float16)
-        grid, block, shared_mem = gate_up_launch(n, splits, ring_bytes)
+        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
         out_bytes = n * 2
 
         def launch(i):
@@ -127,7 +126,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
         splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
         out = cp.empty(n, dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
-        grid, block, shared_mem = split_k_launch(n, splits, ring_bytes)
+        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
         out_bytes = n * 4 + (n * 2 if bias else 0)
 
         def launch(i):
