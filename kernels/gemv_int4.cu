@@ -55,13 +55,23 @@ constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per r
 constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/backend_cuda.py mirrors it
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
-// group). The best depths were found inside the decode step, where each GEMV fills its
-// ring while the kernel before it still runs, not in isolation: tools/sweep_gemv_stages.py.
+// group), one depth per kernel. The best depths were found inside the decode step, where each
+// GEMV fills its ring while the kernel before it still runs, not in isolation
+// (tools/sweep_gemv_stages.py), and together with each kernel's shared-memory carve-out
+// (backend_cuda.GEMV_CARVEOUT_PERCENT): the two decide how many blocks an SM holds, and so how
+// the blocks spread over the SMs. down_proj's 224 blocks of 10 warps run fastest with 6 groups in
+// flight per warp at the full carve-out (two blocks per SM; session 8).
 #ifndef NQ_GATE_UP_STAGES
 #define NQ_GATE_UP_STAGES 4
 #endif
-#ifndef NQ_SPLIT_K_STAGES
-#define NQ_SPLIT_K_STAGES 4
+#ifndef NQ_FROM_HIDDEN_STAGES
+#define NQ_FROM_HIDDEN_STAGES 4
+#endif
+#ifndef NQ_FROM_Q_DIM_STAGES
+#define NQ_FROM_Q_DIM_STAGES 4
+#endif
+#ifndef NQ_FROM_INTERMEDIATE_STAGES
+#define NQ_FROM_INTERMEDIATE_STAGES 6
 #endif
 
 // lop3 with truth table 0xEA computes (a & b) | c.
@@ -192,25 +202,38 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
   unsigned short scale_ring[STAGES][TILES][2];  // not STAGED only (unused registers otherwise)
+  // Row r's 64 bytes of a group sit at word ((r / 16 * GROUPS + group) * 16 + r % 16) * 16 of
+  // the tiled weights (quant.tile_int4), and the lane's piece is 4 t words further: so each
+  // of the lane's pieces starts at a fixed address for the range's first group and moves one
+  // tile-group (256 words) per group. Computed once here, the copies of a group need one add
+  // per piece instead of the whole index arithmetic in 64 bits.
+  constexpr int WORDS_PER_TILE_GROUP = TILE_ROWS * WORDS_PER_GROUP;
+  const unsigned int* weight_source[TILES][2];
+  const unsigned short* scale_source[TILES][2];
+#pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const long long row = rows[tile][r];
+      const long long tiled_row = (row / TILE_ROWS * GROUPS + group_begin) * TILE_ROWS + row % TILE_ROWS;
+      weight_source[tile][r] = qweight + tiled_row * WORDS_PER_GROUP + 4 * t;
+      scale_source[tile][r] = scales + row * GROUPS + group_begin;
+    }
+  }
+  const unsigned short* x_source = x + group_begin * NQ_GROUP_SIZE + 8 * lane;  // lanes < 16 copy x
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
   // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
   // (WITH_X).
-  // Row r's 64 bytes of a group sit at word ((r / 16 * GROUPS + group) * 16 + r % 16) * 16 of
-  // the tiled weights (quant.tile_int4); the lane's piece is 4 t words further.
 #define NQ_FETCH_GROUP(i, SLOT, WITH_X)                                                                  \
   do {                                                                                                   \
-    const int group = group_begin + (i);                                                                 \
     _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                         \
       _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                    \
-        const long long row = rows[tile][r];                                                             \
-        const long long tiled_row = (row / TILE_ROWS * GROUPS + group) * TILE_ROWS + row % TILE_ROWS;   \
-        copy_async_16B(&weight_ring[SLOT][tile][r][lane], qweight + tiled_row * WORDS_PER_GROUP + 4 * t); \
-        if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scales + row * GROUPS + group);          \
+        copy_async_16B(&weight_ring[SLOT][tile][r][lane], weight_source[tile][r] + (i) * WORDS_PER_TILE_GROUP); \
+        if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scale_source[tile][r] + (i));            \
       }                                                                                                  \
     }                                                                                                    \
-    if ((WITH_X) && lane < X_PIECES_PER_GROUP)                                                           \
-      copy_async_16B(&x_ring[SLOT][lane], x + group * NQ_GROUP_SIZE + 8 * lane);                          \
+    if ((WITH_X) && lane < X_PIECES_PER_GROUP) copy_async_16B(&x_ring[SLOT][lane], x_source + (i) * NQ_GROUP_SIZE); \
   } while (0)
 
   if constexpr (!STAGED) {
@@ -233,8 +256,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   wait_for_previous_kernel();  // the weights above are no kernel's output; x is the previous one's
 #pragma unroll
   for (int u = 0; u < STAGES - 1; ++u)
-    if (u < count && lane < X_PIECES_PER_GROUP)
-      copy_async_16B(&x_ring[u][lane], x + (group_begin + u) * NQ_GROUP_SIZE + 8 * lane);
+    if (u < count && lane < X_PIECES_PER_GROUP) copy_async_16B(&x_ring[u][lane], x_source + u * NQ_GROUP_SIZE);
   copy_async_commit();
   copy_async_wait<0>();  // the prologue's groups, their x (and, STAGED, this thread's share of the scales)
   if constexpr (STAGED) __syncthreads();  // and every other thread's share: the block stages them together
@@ -286,23 +308,48 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 #undef NQ_FETCH_GROUP
 }
 
+// The block's warps each hold their split's sums of the block's 16 rows for TILES tiles (rows g
+// and g + 8 in lane 4 g + t, as int4_tile_dot leaves them). Afterwards thread r < 16 of the block
+// holds row r's totals, each begun from its `start` (split-K's bias) and added in split order, so
+// the result does not depend on which warp finished first. Every thread of the block calls it
+// (one barrier).
+template <int TILES, int MAX_SPLITS>
+__device__ __forceinline__ void add_splits(float (&split_sums)[MAX_SPLITS][TILES][TILE_ROWS],
+                                           const float (&acc)[TILES][2], const float (&start)[TILES],
+                                           float (&total)[TILES]) {
+  const int split = threadIdx.x / WARP_SIZE, splits = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int m = 0; m < TILES; ++m) {
+      split_sums[split][m][lane / 4] = acc[m][0];
+      split_sums[split][m][lane / 4 + 8] = acc[m][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < TILE_ROWS) {
+#pragma unroll
+    for (int m = 0; m < TILES; ++m) total[m] = split_sums[0][m][threadIdx.x] + start[m];
+    for (int s = 1; s < splits; ++s) {
+#pragma unroll
+      for (int m = 0; m < TILES; ++m) total[m] += split_sums[s][m][threadIdx.x];
+    }
+  }
+}
+
 // Block `tile` computes rows [16 tile, 16 tile + 16) of y = W x (+ bias): its warp `split` of
 // `splits` (the block's warps) multiplies input groups [split G / splits, (split + 1) G / splits)
 // into its own ring, and after one barrier the block's first 16 threads add the warps' sums in
 // split order, split 0 with the bias, and write the rows.
 //   qweight uint32 [ceil(n_rows / 16), K/128, 16, 16] (quant.tile_int4), scales fp16 [n_rows, K/128],
 //   bias fp16 [n_rows] or null, x fp16 [K], y fp32 [n_rows]
-//   dynamic shared memory: splits x sizeof(SplitKRing), the warps' rings
-using SplitKRing = GemvRing<NQ_SPLIT_K_STAGES, 1>;
-__device__ int gemv_split_k_ring_bytes = sizeof(SplitKRing);  // read by the host to size the launch
-
-template <int K>
+//   dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>), the warps' rings
+template <int K, int STAGES>
 __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict__ qweight,
                                                   const unsigned short* __restrict__ scales,
                                                   const unsigned short* __restrict__ bias,
                                                   const unsigned short* x, float* __restrict__ y, int n_rows) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  __shared__ float split_sums[SPLIT_K_MAX_WARPS][TILE_ROWS];
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
   let_next_kernel_launch();
   const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
@@ -310,35 +357,32 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   const int unused[2] = {0, 0};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, NQ_SPLIT_K_STAGES, false>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
-                                         (split + 1) * GROUPS / splits,
-                                         reinterpret_cast<SplitKRing*>(gemv_shared)[split], acc);
-  if (lane % 4 == 0) {
-    split_sums[split][lane / 4] = acc[0][0];
-    split_sums[split][lane / 4 + 8] = acc[0][1];
-  }
-  __syncthreads();
+  int4_tile_dot<K, 1, STAGES, false>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
+                                      (split + 1) * GROUPS / splits,
+                                      reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split], acc);
   const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
-  if (threadIdx.x < TILE_ROWS && row < n_rows) {
-    float sum = split_sums[0][threadIdx.x] + (bias != nullptr ? half_to_float(bias[row]) : 0.0f);
-    for (int s = 1; s < splits; ++s) sum += split_sums[s][threadIdx.x];
-    y[row] = sum;
-  }
+  const bool writes = threadIdx.x < TILE_ROWS && row < n_rows;
+  const float start[1] = {writes && bias != nullptr ? half_to_float(bias[row]) : 0.0f};
+  float total[1];
+  add_splits(split_sums, acc, start, total);
+  if (writes) y[row] = total[0];
 }
 
-// One kernel per input width, so that K is a compile-time constant in each.
+// One kernel per input width, so that K (and the ring depth) is a compile-time constant in each;
+// NAME_ring_bytes, one warp's ring, is read by the host to size the launch.
 // grid (ceil(n_rows / 16)), block (32 splits, splits <= SPLIT_K_MAX_WARPS), splits rings of shared memory
-#define NQ_GEMV_INT4_KERNEL(NAME, K)                                                                       \
+#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES)                                                               \
+  __device__ int NAME##_ring_bytes = sizeof(GemvRing<STAGES, 1>);                                          \
   extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows) {                                                                                   \
-    gemv_int4_split_k<K>(qweight, scales, bias, x, y, n_rows);                                             \
+    gemv_int4_split_k<K, STAGES>(qweight, scales, bias, x, y, n_rows);                                     \
   }
 
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES)
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
@@ -355,7 +399,7 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE)
 // memory; h fp16 [I]
 constexpr int GATE_UP_MAX_SPLITS = 4;  // nanoqwen/backend_cuda.py mirrors it
 using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
-__device__ int gemv_gate_up_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
+__device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
 
 extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
@@ -377,15 +421,12 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES, true>(qweight, scales, tile_scales[0], scale_rows, x, rows,
                                                        split * GROUPS / splits, (split + 1) * GROUPS / splits,
                                                        reinterpret_cast<GateUpRing*>(gemv_shared)[split], acc);
-  if (lane % 4 == 0) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) split_sums[split][m][lane / 4] = acc[m][0], split_sums[split][m][lane / 4 + 8] = acc[m][1];
-  }
-  __syncthreads();
+  const float start[2] = {0.0f, 0.0f};
+  float total[2];  // gate's, up's
+  add_splits(split_sums, acc, start, total);
   const int row = first_row + threadIdx.x;
   if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) {
-    float gate = split_sums[0][0][threadIdx.x], up = split_sums[0][1][threadIdx.x];
-    for (int s = 1; s < splits; ++s) gate += split_sums[s][0][threadIdx.x], up += split_sums[s][1][threadIdx.x];
+    const float gate = total[0], up = total[1];
     // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
     h[row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
   }

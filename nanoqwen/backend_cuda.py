@@ -62,11 +62,15 @@ RMS_CLUSTER = 8  # blocks of add_rmsnorm_cluster's clusters (kernels/rmsnorm.cu)
 # decode step, where each GEMV fills its rings while the kernel before it runs, 16 was: 2.030
 # ms/token against 2.074 (12), 2.147 (20) and 2.427 (8) (results/gemv-lab-h200.md, session 4).
 GEMV_WARPS_PER_SM = 16
-# The split-K GEMVs' preferred shared-memory carve-out, in percent of each SM's capacity: with
-# half of it for shared memory an SM holds fewer of their one-warp blocks at once, which made the
-# decode step 11-14 us faster on an H200 (results/gemv-warps-carveout-sweep-h200.json, and
-# results/norm-cluster-h200.json, 2026-11-29); -1 leaves the driver's choice.
-SPLIT_K_CARVEOUT_PERCENT = 50
+# Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
+# driver's choice). With its ring depth (kernels/gemv_int4.cu, NQ_*_STAGES) it sets how many of the
+# kernel's blocks an SM holds, and so where they land when they start early, beside the kernel
+# before them. q|k|v and o hold three blocks per SM at half the capacity, which made the step 11-14
+# us faster than the full one (results/gemv-warps-carveout-sweep-h200.json, 2026-11-29); down_proj,
+# with 6-deep rings, holds two at the full capacity, 44-52 us faster than 4-deep rings at half
+# (results/step-lab-session8-h200.md, 2026-12-01).
+GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_from_q_dim": 50, "gemv_int4_from_intermediate": 100,
+                         "gemv_int4_gate_up_silu": -1}
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -75,10 +79,14 @@ ACTIVATIONS = ("fp16", "int8")
 # after them (prefill's activations for a PREFILL_CHUNK of the 7B take ~0.3 GB).
 PREFILL_CACHE_HEADROOM_BYTES = 2 * 2**30
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
-GEMV_RINGS = {  # GEMV kernel -> (its module's variable holding one warp's ring bytes, most warps a block holds)
-    **{name: ("gemv_split_k_ring_bytes", GEMV_MAX_SPLITS) for name in GEMV_KERNELS.values()},
-    "gemv_int4_gate_up_silu": ("gemv_gate_up_ring_bytes", GATE_UP_MAX_SPLITS),
-}
+# GEMV kernel -> the macro of kernels/gemv_int4.cu that sets its ring depth (tools/sweep_gemv_stages.py sets them)
+GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", "gemv_int4_from_q_dim": "NQ_FROM_Q_DIM_STAGES",
+                      "gemv_int4_from_intermediate": "NQ_FROM_INTERMEDIATE_STAGES",
+                      "gemv_int4_gate_up_silu": "NQ_GATE_UP_STAGES"}
+# GEMV kernel -> the most warps (splits) a block holds; each warp has a ring of shared memory, whose
+# size the module's `__device__ int <kernel>_ring_bytes` holds.
+GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in GEMV_KERNELS.values()},
+                  "gemv_int4_gate_up_silu": GATE_UP_MAX_SPLITS}
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
 
@@ -131,10 +139,10 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
 
 
 def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
-    """(grid, block, dynamic shared bytes) of a GEMV of GEMV_RINGS: one block per 16-row tile of its
+    """(grid, block, dynamic shared bytes) of a GEMV of GEMV_MAX_WARPS: one block per 16-row tile of its
     `rows` output rows (gate+up: gate's, each block taking up's same rows too), `splits` warps in
     it, each with a ring of `ring_bytes` (fit_gemv_rings)."""
-    most = GEMV_RINGS[kernel][1]
+    most = GEMV_MAX_WARPS[kernel]
     if not 1 <= splits <= most:
         raise ValueError(f"a {kernel} block holds 1..{most} splits, got {splits}")
     return (-(-rows // TILE_ROWS),), (splits * 32,), splits * ring_bytes
@@ -163,9 +171,8 @@ def greedy_token_of(head: np.ndarray) -> int:
 def fit_gemv_rings(kernel, module, name: str) -> int:
     """Let GEMV `kernel` (`module`'s `name`) take the dynamic shared memory of its largest block,
     one ring per warp; returns one warp's ring bytes, which gemv_launch takes."""
-    variable, most_warps = GEMV_RINGS[name]
-    ring_bytes = cuda_build.module_int(module, variable)
-    kernel.max_dynamic_shared_size_bytes = most_warps * ring_bytes
+    ring_bytes = cuda_build.module_int(module, f"{name}_ring_bytes")
+    kernel.max_dynamic_shared_size_bytes = GEMV_MAX_WARPS[name] * ring_bytes
     return ring_bytes
 
 
@@ -260,11 +267,11 @@ class CudaBackend:
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
             )
         }
-        for name in GEMV_KERNELS.values():
-            set_carveout(self.kernels[name], SPLIT_K_CARVEOUT_PERCENT)
-            self.split_k_ring_bytes = fit_gemv_rings(self.kernels[name], module, name)
+        self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
+        for name, percent in GEMV_CARVEOUT_PERCENT.items():
+            set_carveout(self.kernels[name], percent)
+            self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
         self.gate_up_splits = GATE_UP_SPLITS
-        self.gate_up_ring_bytes = fit_gemv_rings(self.kernels["gemv_int4_gate_up_silu"], module, "gemv_int4_gate_up_silu")
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:
@@ -390,7 +397,7 @@ class CudaBackend:
         )
 
     def _gemv(self, kernel: str, linear: DeviceLinear, x, y) -> None:
-        grid, block, shared_mem = gemv_launch(kernel, linear.out_features, linear.splits, self.split_k_ring_bytes)
+        grid, block, shared_mem = gemv_launch(kernel, linear.out_features, linear.splits, self.gemv_ring_bytes[kernel])
         self.kernels[kernel](
             grid, block,
             (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, y,
@@ -427,7 +434,7 @@ class CudaBackend:
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
             grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", c.intermediate_size, self.gate_up_splits,
-                                                 self.gate_up_ring_bytes)
+                                                 self.gemv_ring_bytes["gemv_int4_gate_up_silu"])
             self.kernels["gemv_int4_gate_up_silu"](
                 grid, block, (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden), shared_mem=shared_mem,
             )

@@ -273,8 +273,7 @@ class PathB:
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
         self.out = cp.empty(n, dtype=cp.float32)
-        self._launcher = types.SimpleNamespace(kernels=path_b.kernels,
-                                               split_k_ring_bytes=path_b.ring_bytes[self.kernel_name])
+        self._launcher = types.SimpleNamespace(kernels=path_b.kernels, gemv_ring_bytes=path_b.ring_bytes)
         self._gemv = bc.CudaBackend._gemv
 
     def __call__(self, x) -> None:

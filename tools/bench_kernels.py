@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GATE_UP_SPLITS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks,
+    GATE_UP_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits,
+    persistent_blocks,
 )
 from nanoqwen.quant import tile_int4  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
@@ -184,8 +185,8 @@ def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
     lines = ["| ring stages | warps/SM target | gate+up us | down us | fused qkv us | o us | regs (gate+up, down) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for stages in (4, 8, 12):
-        module = cuda_build.compile_module(config, extra_defines={"NQ_GATE_UP_STAGES": str(stages),
-                                                                  "NQ_SPLIT_K_STAGES": str(stages)})
+        module = cuda_build.compile_module(config,
+                                           extra_defines={macro: str(stages) for macro in GEMV_STAGES_MACROS.values()})
         regs = (module.get_function("gemv_int4_gate_up_silu").num_regs,
                 module.get_function("gemv_int4_from_intermediate").num_regs)
         gate_up = bench_gemv(cp, module, l2_bytes, num_sms, "", "gemv_int4_gate_up_silu", i, h, False)["seconds"]
