@@ -187,7 +187,8 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // with no weights loaded at all (session 4). With the row-major weights a deeper ring (8) won
 // inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
 // in front still runs; with the tiled weights the step was fastest with 6 slots for gate+up and 4
-// for the split-K GEMVs (session 5), and with two warps per gate+up tile, 4 for both (session 7).
+// for the split-K GEMVs (session 5), with two warps per gate+up tile 4 for all (session 7), and
+// timed one kernel at a time, 6 for down_proj's (session 8).
 // `ring` is this warp's own.
 template <int K, int TILES, int STAGES, bool STAGED>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
