@@ -66,12 +66,15 @@ GEMV_WARPS_PER_SM = 16
 # driver's choice). With its ring depth (kernels/gemv_int4.cu, NQ_*_STAGES) it sets how many of the
 # kernel's blocks an SM holds, and so where they land when they start early, beside the kernel
 # before them. q|k|v and o hold three blocks per SM at half the capacity, which made the step 11-14
-# us faster than the full one (results/gemv-warps-carveout-sweep-h200.json, 2026-11-29); down_proj,
-# with 6-deep rings, holds two at the full capacity, 44-52 us faster than 4-deep rings at half
-# (results/step-lab-session8-h200.md, 2026-12-01).
+# us faster than the full one (results/gemv-warps-carveout-sweep-h200.json, 2026-11-29). down_proj,
+# with 6-deep rings, holds two at the full capacity, the configuration gate+up (the kernel before
+# it, at the driver's choice) runs in: 44-52 us faster than 4-deep rings at half, and 68-74 us
+# faster than the same two blocks per SM in a 196 KB configuration, most likely because an SM can
+# change its split of L1 and shared memory only when it is empty (results/step-lab-session8-h200.md,
+# 2026-12-01).
 GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_from_q_dim": 50, "gemv_int4_from_intermediate": 100,
                          "gemv_int4_gate_up_silu": -1}
-MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (8 groups) idle
+MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
 ACTIVATIONS = ("fp16", "int8")
