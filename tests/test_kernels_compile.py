@@ -46,3 +46,19 @@ def test_ptxas_report_parser():
         {"kernel": "k1", "registers": 40, "stack": 32, "spill_stores": 8, "spill_loads": 4},
         {"kernel": "k2", "registers": 12, "stack": 0, "spill_stores": 0, "spill_loads": 0},
     ]
+
+
+def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
+    """The per-kernel GEMV settings of nanoqwen.backend_cuda name the same four kernels, and
+    kernels/gemv_int4.cu gives each its ring-depth macro (with a default) and the `__device__ int
+    <kernel>_ring_bytes` the host reads at start: a mismatch would only show on a GPU."""
+    import re
+
+    from nanoqwen.backend_cuda import GEMV_CARVEOUT_PERCENT, GEMV_MAX_WARPS, GEMV_STAGES_MACROS
+
+    source = (REPO / "kernels" / "gemv_int4.cu").read_text()
+    assert GEMV_STAGES_MACROS.keys() == GEMV_CARVEOUT_PERCENT.keys() == GEMV_MAX_WARPS.keys()
+    for kernel, macro in GEMV_STAGES_MACROS.items():
+        assert re.search(rf"#ifndef {macro}\n#define {macro} [1-9]\d*\n#endif", source), macro
+        split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}\)", source)
+        assert split_k or f"__device__ int {kernel}_ring_bytes" in source, kernel
