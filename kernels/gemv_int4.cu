@@ -230,11 +230,13 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   do {                                                                                                   \
     _Pragma("unroll") for (int tile = 0; tile < TILES; ++tile) {                                         \
       _Pragma("unroll") for (int r = 0; r < 2; ++r) {                                                    \
-        copy_async_16B(&weight_ring[SLOT][tile][r][lane], weight_source[tile][r] + (i) * WORDS_PER_TILE_GROUP); \
+        copy_async_16B(&weight_ring[SLOT][tile][r][lane],                                                \
+                       weight_source[tile][r] + (i) * WORDS_PER_TILE_GROUP);                             \
         if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scale_source[tile][r] + (i));            \
       }                                                                                                  \
     }                                                                                                    \
-    if ((WITH_X) && lane < X_PIECES_PER_GROUP) copy_async_16B(&x_ring[SLOT][lane], x_source + (i) * NQ_GROUP_SIZE); \
+    if ((WITH_X) && lane < X_PIECES_PER_GROUP)                                                           \
+      copy_async_16B(&x_ring[SLOT][lane], x_source + (i) * NQ_GROUP_SIZE);                                \
   } while (0)
 
   if constexpr (!STAGED) {
