@@ -12,7 +12,7 @@
 // head) has one producer warp, which asks the copy engine for the K and V slices of its pages
 // (cp.async.bulk, completing on an mbarrier), and DECODE_CONSUMER_WARPS consumer warps, which
 // compute scores, an online softmax and the weighted sum of V for all GQA query heads that
-// share the KV head, from that one copy. DECODE_STAGES shared-memory stages let the copies of
+// share the KV head, from that one copy, on the tensor cores (decode_page). DECODE_STAGES shared-memory stages let the copies of
 // the next pages fly while the consumers work. Long sequences are cut into page ranges, one
 // per block, and a second small kernel, `paged_attention_combine`, merges the ranges
 // (flash-decoding), one block per query head so the merge itself is spread over the GPU.
@@ -67,39 +67,24 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2(-inf) = +0
   return y;
 }
 
-// Load N consecutive halves as floats, 16 bytes at a time where N allows (src aligned to
-// 2 N bytes, or to 2 bytes for odd N).
-template <int N>
-__device__ __forceinline__ void load_halves(const unsigned short* src, float (&dst)[N]) {
-  if constexpr (N % 2 == 1) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = half_to_float(src[i]);
-  } else if constexpr (N % 8 == 0) {
-#pragma unroll
-    for (int c = 0; c < N / 8; ++c) {
-      const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * c);
-      const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = half2_to_float2(w[i]);
-        dst[8 * c + 2 * i] = f.x;
-        dst[8 * c + 2 * i + 1] = f.y;
-      }
-    }
-  } else if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int c = 0; c < N / 4; ++c) {
-      const uint2 v = *reinterpret_cast<const uint2*>(src + 4 * c);
-      const float2 a = half2_to_float2(v.x), b = half2_to_float2(v.y);
-      dst[4 * c] = a.x, dst[4 * c + 1] = a.y, dst[4 * c + 2] = b.x, dst[4 * c + 3] = b.y;
-    }
-  } else {
-#pragma unroll
-    for (int c = 0; c < N / 2; ++c) {
-      const float2 a = half2_to_float2(*reinterpret_cast<const unsigned*>(src + 2 * c));
-      dst[2 * c] = a.x, dst[2 * c + 1] = a.y;
-    }
-  }
+// Tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate) and the shared-memory loads that
+// feed them: used by decode and prefill alike.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row_address)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row_address)));
+}
+
+// D += A (16x16 fp16, row-major fragments) * B (16x8 fp16, column fragments), fp32 accumulate.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // ====================================================================== decode
@@ -108,13 +93,29 @@ constexpr int DECODE_CONSUMER_WARPS = 4;
 constexpr int DECODE_STAGES = 8;
 constexpr int DECODE_THREADS = WARP_SIZE * (1 + DECODE_CONSUMER_WARPS);
 constexpr int DECODE_CONSUMER_THREADS = WARP_SIZE * DECODE_CONSUMER_WARPS;
-// Scores: a consumer warp is two half-warps of 16 lanes; lane l owns dims [(l % 16) * DPL,
-// +DPL) and reads the rows of its half: rows 0-7 for lanes 0-15, rows 8-15 for lanes 16-31.
-// So a warp reads two whole rows per load, 16 bytes per lane at head_dim 128, no bank conflict.
-constexpr int DECODE_DPL = PA_D / 16;
-// Weighted V sum: lane l owns dims [l * DPV, +DPV) of every row.
-constexpr int DECODE_DPV = PA_D / 32;
-constexpr int DECODE_GQA_PAD = (PA_GQA + 3) / 4 * 4;  // rows of the probability buffer: float4 reads
+// A page's arithmetic runs on the tensor cores with the query heads as the 16 rows of the mma's A
+// operand (rows 0-7, and 8-15 only where a KV head serves more than 8 query heads), so the GQA
+// group must fit in them.
+constexpr int DECODE_HEAD_ROWS = 16;
+static_assert(PA_GQA <= DECODE_HEAD_ROWS, "the decode kernel serves at most 16 query heads per KV head");
+// A stage's K (or V) slice in shared memory: the page's 16 rows in runs of DECODE_COPY_ROWS, one
+// bulk copy each, with 16 bytes of padding after every run. An ldmatrix reads 8 rows at one
+// column; rows 256 bytes apart all start in the same bank, so unpadded (one 4 KiB copy) the 8
+// reads are an 8-way bank conflict. Padding after every row removes it but needs 16 copies per
+// slice, and many small copies cost the copy engine more than the conflicts (session 9).
+#ifndef NQ_DECODE_COPY_ROWS
+#define NQ_DECODE_COPY_ROWS 4
+#endif
+constexpr int DECODE_COPY_ROWS = NQ_DECODE_COPY_ROWS;
+constexpr int DECODE_COPIES = PA_PAGE / DECODE_COPY_ROWS;  // per slice
+constexpr int DECODE_RUN = DECODE_COPY_ROWS * PA_D + 8;    // halves from one run to the next
+constexpr int DECODE_SLICE = DECODE_COPIES * DECODE_RUN;   // halves of a slice in shared memory
+constexpr int DECODE_COPY_BYTES = DECODE_COPY_ROWS * PA_D * 2;
+static_assert(PA_PAGE % DECODE_COPY_ROWS == 0 && DECODE_COPIES <= WARP_SIZE, "a page splits into whole runs, one per lane");
+static_assert((DECODE_RUN * 2) % 16 == 0, "bulk copies land on 16-byte boundaries");
+__device__ __forceinline__ int stage_row(int row) {  // halves from the slice's start to page row `row`
+  return row / DECODE_COPY_ROWS * DECODE_RUN + row % DECODE_COPY_ROWS * PA_D;
+}
 static_assert(DECODE_STAGES % DECODE_CONSUMER_WARPS == 0,
               "stage s is always read by consumer warp s % DECODE_CONSUMER_WARPS, so no warp waits "
               "on a phase two ahead of the one it last saw (mbarrier parity would alias), and the "
@@ -127,9 +128,8 @@ constexpr int DECODE_STAGE_BARRIER_THREADS = 2 * WARP_SIZE;
 static_assert(DECODE_EMPTY_BARRIER0 + DECODE_STAGES <= 16, "a block has 16 named barriers: too many stages");
 
 struct DecodeShared {
-  unsigned short kv[DECODE_STAGES][2][PA_SLICE];  // bulk-copy destinations (offset 0: 128-byte aligned)
-  unsigned long long full[DECODE_STAGES];         // "stage holds its page": expect_tx + copy bytes
-  float probabilities[DECODE_CONSUMER_WARPS][PA_PAGE][DECODE_GQA_PAD];
+  unsigned short kv[DECODE_STAGES][2][DECODE_SLICE];  // bulk-copy destinations (offset 0: 128-byte aligned)
+  unsigned long long full[DECODE_STAGES];             // "stage holds its page": expect_tx + copy bytes
   float warp_max[DECODE_CONSUMER_WARPS][PA_GQA];
   float warp_sum[DECODE_CONSUMER_WARPS][PA_GQA];
   float warp_acc[DECODE_CONSUMER_WARPS][PA_GQA][PA_D];
@@ -179,85 +179,121 @@ __device__ int paged_attention_decode_threads = DECODE_THREADS;
 #define CONSUMER_RELEASE_STAGE(stage) named_barrier_arrive<DECODE_STAGE_BARRIER_THREADS>(DECODE_EMPTY_BARRIER0 + (stage))
 #endif
 
-// One consumer warp's page: scores for the 16 rows, online-softmax update, weighted V sum.
-// `q` is pre-scaled by head_dim^-0.5 * log2(e), so scores are in base 2. m: running max
-// (same in every lane); l: running sum over this lane's rows; acc: this lane's dims of the
-// weighted V sum, every head.
-__device__ __forceinline__ void decode_page(const unsigned short* k_slice, const unsigned short* v_slice, int valid_rows,
-                                            const float (&q)[PA_GQA][DECODE_DPL], float (&m)[PA_GQA],
-                                            float (&l)[PA_GQA], float (&acc)[PA_GQA][DECODE_DPV],
-                                            float (*probabilities)[DECODE_GQA_PAD], int lane) {
-  const int half = lane >> 4, dims = (lane & 15) * DECODE_DPL;
-  // Lane l ends up holding the scores of rows {0, 4} + ((l >> 2) & 3) + 8 * half, every head.
-  float score[2][PA_GQA];
+// The query of one consumer warp as mma A fragments (A's rows are heads, its k axis head_dim),
+// pre-scaled by head_dim^-0.5 * log2(e) so that scores come out in base 2, and split in two fp16
+// terms, q = hi + lo, so that the scores carry q's fp32 precision (as in prefill). Fragment
+// notation (PTX mma.m16n8k16): lane = 4 g + t; a thread holds rows g and g + 8. With at most 8
+// heads per KV head (the 7B has 7), row g holds head g's hi term and row g + 8 its lo term, so one
+// mma gives both halves of a score in the same lane (DECODE_LO_ROWS); with more, rows g and g + 8
+// are heads g and g + 8, and the lo terms take a second set of fragments and a second mma.
+constexpr bool DECODE_LO_ROWS = PA_GQA <= 8;
+constexpr int DECODE_Q_TERMS = DECODE_LO_ROWS ? 1 : 2;  // fragment sets: hi|lo, or hi and lo
+constexpr int DECODE_HEAD_HALVES = DECODE_LO_ROWS ? 1 : 2;  // rows g (and g + 8) are heads
+struct DecodeQuery {
+  unsigned a[DECODE_Q_TERMS][PA_D / 16][4];
+};
+
+__device__ __forceinline__ void load_decode_query(const float* q_group, int lane, DecodeQuery& query) {
+  const int g = lane >> 2, t = lane & 3;
+  const float q_scale = 1.4426950408889634f * rsqrtf((float)PA_D);  // log2(e): softmax in base 2
 #pragma unroll
-  for (int group = 0; group < 2; ++group) {
-    // Partial dot products of this lane's dims: s[h][j] is head h against row 4*group + j + 8*half.
-    float s[PA_GQA][4];
+  for (int ks = 0; ks < PA_D / 16; ++ks) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float k[DECODE_DPL];
-      load_halves(k_slice + (4 * group + j + 8 * half) * PA_D + dims, k);
-#pragma unroll
-      for (int h = 0; h < PA_GQA; ++h) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DECODE_DPL; ++i) dot = fmaf(q[h][i], k[i], dot);
-        s[h][j] = dot;
+    for (int r = 0; r < 4; ++r) {  // a0: row g, dims 16ks + 2t; a1: row g + 8; a2, a3: dims + 8
+      const int head = DECODE_LO_ROWS ? g : g + 8 * (r & 1), dim = 16 * ks + 8 * (r >> 1) + 2 * t;
+      float2 x = make_float2(0.0f, 0.0f);  // rows past the group's heads multiply as zeros
+      if (head < PA_GQA) x = *reinterpret_cast<const float2*>(q_group + head * PA_D + dim);
+      x.x *= q_scale, x.y *= q_scale;
+      const unsigned hi = pack_half2_rn(x.x, x.y);
+      const float2 back = half2_to_float2(hi);
+      const unsigned lo = pack_half2_rn(x.x - back.x, x.y - back.y);
+      if constexpr (DECODE_LO_ROWS) {
+        query.a[0][ks][r] = r & 1 ? lo : hi;
+      } else {
+        query.a[0][ks][r] = hi;
+        query.a[1][ks][r] = lo;
       }
     }
-    // Sum over the 16 lanes of a half while spreading the rows out: at each step a lane keeps
-    // half of its rows and sends the other half to its partner, so 4 rows cost 2+1+1+1
-    // shuffles per head instead of 4 x 4.
+  }
+}
+
+// One consumer warp's page on the tensor cores: S = q K^T for the 16 rows (heads x rows), the
+// online-softmax update, O += P V (heads x head_dim). Lane (g, t) holds, for head g (and g + 8):
+// the scores of rows 2t, 2t + 1, 8 + 2t, 8 + 2t + 1; m, the running max (the same in the 4 lanes
+// of a head); l, the running sum over its own 4 rows of every page; o[n], the running weighted
+// sum at dims 8n + 2t, 8n + 2t + 1. The score fragments are, packed to fp16, exactly P's A
+// fragments, so the probabilities never leave registers. `k_slice`, `v_slice`: the stage's slices
+// (rows at stage_row); rows from `valid_rows` on are past the sequence and may hold anything, NaN
+// included: their scores are replaced by -inf (a selection, never arithmetic) and their V by
+// zeros before the multiply, since 0 x NaN would be NaN.
+__device__ __forceinline__ void decode_page(const unsigned short* k_slice, const unsigned short* v_slice, int valid_rows,
+                                            const DecodeQuery& query, float (&m)[2], float (&l)[2],
+                                            float (&o)[PA_D / 8][4], int lane) {
+  const int t = lane & 3, matrix = lane >> 3, matrix_row = lane & 7;
+  // This lane's row address for the ldmatrix: K's matrices are rows 0-7 and 8-15 (matrix >> 1),
+  // V's (transposed) the same rows by matrix & 1.
+  const unsigned short* k_row = k_slice + stage_row(matrix_row + 8 * (matrix >> 1)) + 8 * (matrix & 1);
+  const unsigned short* v_row = v_slice + stage_row(matrix_row + 8 * (matrix & 1)) + 8 * (matrix >> 1);
+  float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // rows 0-7, rows 8-15
 #pragma unroll
-    for (int h = 0; h < PA_GQA; ++h) {
-      const bool upper8 = lane & 8, upper4 = lane & 4;
-      const float r0 = (upper8 ? s[h][2] : s[h][0]) + __shfl_xor_sync(FULL_MASK, upper8 ? s[h][0] : s[h][2], 8);
-      const float r1 = (upper8 ? s[h][3] : s[h][1]) + __shfl_xor_sync(FULL_MASK, upper8 ? s[h][1] : s[h][3], 8);
-      float dot = (upper4 ? r1 : r0) + __shfl_xor_sync(FULL_MASK, upper4 ? r0 : r1, 4);
-      dot += __shfl_xor_sync(FULL_MASK, dot, 2);
-      dot += __shfl_xor_sync(FULL_MASK, dot, 1);
-      score[group][h] = dot;
+  for (int ks = 0; ks < PA_D / 16; ++ks) {
+    unsigned b[4];  // four 8x8 matrices: rows 0-7 and 8-15 at dims 16ks.. and 16ks + 8..
+    ldmatrix_x4(b, k_row + 16 * ks);
+#pragma unroll
+    for (int term = DECODE_Q_TERMS - 1; term >= 0; --term) {  // the small lo terms first
+      mma_16816(s[0], query.a[term][ks], b[0], b[1]);
+      mma_16816(s[1], query.a[term][ks], b[2], b[3]);
     }
   }
-  const int row0 = ((lane >> 2) & 3) + 8 * half, row1 = row0 + 4;
+  if constexpr (DECODE_LO_ROWS) {  // head g's score: its hi row's sum plus its lo row's
 #pragma unroll
-  for (int h = 0; h < PA_GQA; ++h) {
-    // Rows past the sequence's end hold whatever the pool held: mask by selection, never by
-    // arithmetic, so a NaN there cannot leak in.
-    const float s0 = row0 < valid_rows ? score[0][h] : NEGATIVE_INFINITY;
-    const float s1 = row1 < valid_rows ? score[1][h] : NEGATIVE_INFINITY;
-    float page_max = fmaxf(s0, s1);
-#pragma unroll
-    for (int offset = 4; offset < WARP_SIZE; offset <<= 1)
-      page_max = fmaxf(page_max, __shfl_xor_sync(FULL_MASK, page_max, offset));
-    const float new_max = fmaxf(m[h], page_max);  // finite: row 0 of a page is always valid
-    const float rescale = fast_exp2(m[h] - new_max);
-    const float p0 = fast_exp2(s0 - new_max), p1 = fast_exp2(s1 - new_max);
-    m[h] = new_max;
-    l[h] = l[h] * rescale + (p0 + p1);
-#pragma unroll
-    for (int i = 0; i < DECODE_DPV; ++i) acc[h][i] *= rescale;
-    if ((lane & 3) == 0) probabilities[row0][h] = p0, probabilities[row1][h] = p1;
+    for (int n = 0; n < 2; ++n) s[n][0] += s[n][2], s[n][1] += s[n][3], s[n][2] = s[n][3] = 0.0f;
   }
-  __syncwarp();  // the probabilities are written by 8 lanes and read by every lane
-  // Weighted sum of V: lane l owns dims [l * DPV, +DPV) and walks the valid rows.
-  const int v_dims = lane * DECODE_DPV;
-  for (int r = 0; r < valid_rows; ++r) {  // skipping, not multiplying by 0: rows past the end may hold NaN
-    float v[DECODE_DPV];
-    load_halves(v_slice + r * PA_D + v_dims, v);
-    float p[DECODE_GQA_PAD];
+  float rescale[2] = {1.0f, 1.0f};
 #pragma unroll
-    for (int h4 = 0; h4 < DECODE_GQA_PAD; h4 += 4) {
-      const float4 four = *reinterpret_cast<const float4*>(&probabilities[r][h4]);
-      p[h4] = four.x, p[h4 + 1] = four.y, p[h4 + 2] = four.z, p[h4 + 3] = four.w;
-    }
+  for (int half = 0; half < DECODE_HEAD_HALVES; ++half) {  // head g (fragment elements 0, 1), head g + 8 (2, 3)
+    float page_max = NEGATIVE_INFINITY;
 #pragma unroll
-    for (int h = 0; h < PA_GQA; ++h)
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int i = 0; i < DECODE_DPV; ++i) acc[h][i] = fmaf(p[h], v[i], acc[h][i]);
+      for (int e = 0; e < 2; ++e) {
+        float& score = s[n][2 * half + e];
+        score = 8 * n + 2 * t + e < valid_rows ? score : NEGATIVE_INFINITY;
+        page_max = fmaxf(page_max, score);
+      }
+    page_max = fmaxf(page_max, __shfl_xor_sync(FULL_MASK, page_max, 1));
+    page_max = fmaxf(page_max, __shfl_xor_sync(FULL_MASK, page_max, 2));
+    const float new_max = fmaxf(m[half], page_max);  // finite: row 0 of a page is always valid
+    rescale[half] = fast_exp2(m[half] - new_max);
+    m[half] = new_max;
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& score = s[n][2 * half + e];
+        score = fast_exp2(score - new_max);
+        sum += score;
+      }
+    l[half] = l[half] * rescale[half] + sum;
   }
-  __syncwarp();  // every lane has read the probabilities before the next page rewrites them
+#pragma unroll
+  for (int n = 0; n < PA_D / 8; ++n) {
+    o[n][0] *= rescale[0], o[n][1] *= rescale[0];
+    if constexpr (!DECODE_LO_ROWS) o[n][2] *= rescale[1], o[n][3] *= rescale[1];  // else rows of no head: zeros
+  }
+  const unsigned p[4] = {pack_half2_rn(s[0][0], s[0][1]), pack_half2_rn(s[0][2], s[0][3]),
+                         pack_half2_rn(s[1][0], s[1][1]), pack_half2_rn(s[1][2], s[1][3])};
+  // V's B fragments hold rows 2t, 2t + 1 (b0) and 8 + 2t, 8 + 2t + 1 (b1), one per 16-bit half.
+  auto keep = [&](int row) { return row < valid_rows ? 0xFFFFu : 0u; };
+  const unsigned keep_low = keep(2 * t) | keep(2 * t + 1) << 16, keep_high = keep(8 + 2 * t) | keep(9 + 2 * t) << 16;
+#pragma unroll
+  for (int n = 0; n < PA_D / 8; n += 2) {
+    unsigned b[4];  // transposed: rows 0-7 and 8-15 at dims 8n.. and 8n + 8..
+    ldmatrix_x4_trans(b, v_row + 8 * n);
+    mma_16816(o[n], p, b[0] & keep_low, b[1] & keep_high);
+    mma_16816(o[n + 1], p, b[2] & keep_low, b[3] & keep_high);
+  }
 }
 
 // Grid (splits, num_kv_heads), DECODE_THREADS threads, sizeof(DecodeShared) dynamic shared
@@ -316,12 +352,13 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
       if (i > 0 && i % WARP_SIZE == 0 && i + lane < block_pages) page_id = page_table[first_page + i + lane];
       const int page = __shfl_sync(FULL_MASK, page_id, i % WARP_SIZE);
       PRODUCER_WAIT_STAGE_FREE(stage, round);
-      if (lane == 0) {
-        const unsigned short* k_slice = head_base + page * PA_PAGE_STRIDE;
-        const unsigned short* v_slice = k_slice + PA_KVH * PA_SLICE;
-        mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);
-        bulk_copy_to_shared(sh.kv[stage][0], k_slice, PA_SLICE_BYTES, &sh.full[stage]);
-        bulk_copy_to_shared(sh.kv[stage][1], v_slice, PA_SLICE_BYTES, &sh.full[stage]);
+      if (lane == 0) mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);  // armed before any byte lands
+      __syncwarp();
+      if (lane < DECODE_COPIES) {  // lane r copies run r of K and of V
+        const unsigned short* k_run = head_base + page * PA_PAGE_STRIDE + lane * DECODE_COPY_ROWS * PA_D;
+        bulk_copy_to_shared(sh.kv[stage][0] + lane * DECODE_RUN, k_run, DECODE_COPY_BYTES, &sh.full[stage]);
+        bulk_copy_to_shared(sh.kv[stage][1] + lane * DECODE_RUN, k_run + PA_KVH * PA_SLICE, DECODE_COPY_BYTES,
+                            &sh.full[stage]);
       }
       PRODUCER_AFTER_ISSUE(stage, round);
     }
@@ -330,43 +367,39 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
 
   // ---------------------------------------------------------------- consumers
   const int consumer = warp - 1;
-  const int dims = (lane & 15) * DECODE_DPL;
-  const float q_scale = 1.4426950408889634f * rsqrtf((float)PA_D);  // log2(e): softmax in base 2
-  float qr[PA_GQA][DECODE_DPL], m[PA_GQA], l[PA_GQA], acc[PA_GQA][DECODE_DPV];
-#pragma unroll
-  for (int h = 0; h < PA_GQA; ++h) {
-    const float* qh = q + (kv_head * PA_GQA + h) * PA_D + dims;
-#pragma unroll
-    for (int i = 0; i < DECODE_DPL; ++i) qr[h][i] = qh[i] * q_scale;
-#pragma unroll
-    for (int i = 0; i < DECODE_DPV; ++i) acc[h][i] = 0.0f;
-    m[h] = NEGATIVE_INFINITY;
-    l[h] = 0.0f;
-  }
+  DecodeQuery query;
+  load_decode_query(q + kv_head * PA_GQA * PA_D, lane, query);
+  float m[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, l[2] = {0.0f, 0.0f}, o[PA_D / 8][4] = {};
   for (int i = consumer; i < block_pages; i += DECODE_CONSUMER_WARPS) {
     const int stage = i % DECODE_STAGES, round = i / DECODE_STAGES;
     CONSUMER_WAIT_STAGE_FULL(stage, round);
     const int valid_rows = min(PA_PAGE, seq_len - (first_page + i) * PA_PAGE);
-    decode_page(sh.kv[stage][0], sh.kv[stage][1], valid_rows, qr, m, l, acc, sh.probabilities[consumer], lane);
+    decode_page(sh.kv[stage][0], sh.kv[stage][1], valid_rows, query, m, l, o, lane);
+    __syncwarp();  // every lane has read the stage before the warp releases it, converged
     if (i + DECODE_STAGES < block_pages) CONSUMER_RELEASE_STAGE(stage);  // only a stage that will be refilled
   }
 
-  // This warp's totals: l over the 16 rows (4 lanes hold the same two rows).
+  // This warp's totals: l over the 16 rows (the 4 lanes of a head hold 4 rows each). Rows g and
+  // g + 8 of the fragments are heads g and g + 8; the rows past the group's heads are not kept.
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int h = 0; h < PA_GQA; ++h) {
+  for (int half = 0; half < DECODE_HEAD_HALVES; ++half) {
+    l[half] += __shfl_xor_sync(FULL_MASK, l[half], 1);
+    l[half] += __shfl_xor_sync(FULL_MASK, l[half], 2);
+    const int h = g + 8 * half;
+    if (h < PA_GQA) {
 #pragma unroll
-    for (int offset = 4; offset < WARP_SIZE; offset <<= 1) l[h] += __shfl_xor_sync(FULL_MASK, l[h], offset);
-#pragma unroll
-    for (int i = 0; i < DECODE_DPV; ++i) sh.warp_acc[consumer][h][lane * DECODE_DPV + i] = acc[h][i];
-    if (lane == 0) sh.warp_max[consumer][h] = m[h], sh.warp_sum[consumer][h] = l[h];
+      for (int n = 0; n < PA_D / 8; ++n)
+        *reinterpret_cast<float2*>(&sh.warp_acc[consumer][h][8 * n + 2 * t]) = make_float2(o[n][2 * half], o[n][2 * half + 1]);
+      if (t == 0) sh.warp_max[consumer][h] = m[half], sh.warp_sum[consumer][h] = l[half];
+    }
   }
   named_barrier_sync<DECODE_CONSUMER_THREADS>(DECODE_CONSUMERS_BARRIER);  // the producer, maybe gone, is not waited for
 
   // Combine the consumer warps (a warp without pages has max -inf and weighs 0), then either
   // finish (one block holds the whole sequence) or leave this split's share for the combine.
-  const int t = threadIdx.x - WARP_SIZE;
   const size_t split_row = ((size_t)kv_head * splits + split) * PA_GQA;
-  for (int e = t; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS) {
+  for (int e = threadIdx.x - WARP_SIZE; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS) {
     const int h = e / PA_D, d = e % PA_D;
     float block_max = NEGATIVE_INFINITY;
 #pragma unroll
@@ -482,24 +515,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
   // src-size 0 fills the 16 bytes with zeros: rows past the sequence never reach the math.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(dst)), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row_address)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row_address)));
-}
-
-// D += A (16x16 fp16, row-major fragments) * B (16x8 fp16, column fragments), fp32 accumulate.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Grid (ceil(T / 16), num_kv_heads), PREFILL_THREADS threads, sizeof(PrefillShared) bytes.

@@ -23,8 +23,9 @@ def shape(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-SHAPES = [QWEN25_CODER_7B, shape(4, 2, 64), shape(4, 2, 32), shape(8, 1, 96), shape(2, 2, 64)]
-SHAPE_IDS = ["7b-28-4-d128", "4-2-d64", "4-2-d32", "8-1-d96", "mha-2-2-d64"]
+# 12-1: more query heads per KV head than 8, so the decode kernel's mma rows 8-15 hold heads too
+SHAPES = [QWEN25_CODER_7B, shape(4, 2, 64), shape(4, 2, 32), shape(8, 1, 96), shape(2, 2, 64), shape(12, 1, 64)]
+SHAPE_IDS = ["7b-28-4-d128", "4-2-d64", "4-2-d32", "8-1-d96", "mha-2-2-d64", "gqa12-12-1-d64"]
 
 
 # ---------------------------------------------------------------------------- everywhere
