@@ -12,10 +12,11 @@
 // head) has one producer warp, which asks the copy engine for the K and V slices of its pages
 // (cp.async.bulk, completing on an mbarrier), and DECODE_CONSUMER_WARPS consumer warps, which
 // compute scores, an online softmax and the weighted sum of V for all GQA query heads that
-// share the KV head, from that one copy, on the tensor cores (decode_page). DECODE_STAGES shared-memory stages let the copies of
-// the next pages fly while the consumers work. Long sequences are cut into page ranges, one
-// per block, and a second small kernel, `paged_attention_combine`, merges the ranges
-// (flash-decoding), one block per query head so the merge itself is spread over the GPU.
+// share the KV head, from that one copy, on the tensor cores (decode_page). DECODE_STAGES
+// shared-memory stages let the copies of the next pages fly while the consumers work. Long
+// sequences are cut into page ranges, one per block, and a second small kernel,
+// `paged_attention_combine`, merges the ranges (flash-decoding), one block per query head so
+// the merge itself is spread over the GPU.
 //
 // The hand-off of a stage between the producer and a consumer is four hooks, below. The
 // deliberately broken kernels/paged_attention_broken.cu redefines only them.
@@ -367,6 +368,11 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
 
   // ---------------------------------------------------------------- consumers
   const int consumer = warp - 1;
+  // A block of one page (every block, at the benchmark's context) has its whole result in
+  // consumer warp 0, which writes it from registers: the other consumers have nothing to add,
+  // and the merge through shared memory below is skipped.
+  const bool one_page = block_pages == 1;
+  if (one_page && consumer > 0) return;
   DecodeQuery query;
   load_decode_query(q + kv_head * PA_GQA * PA_D, lane, query);
   float m[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, l[2] = {0.0f, 0.0f}, o[PA_D / 8][4] = {};
@@ -382,23 +388,39 @@ PA_DECODE_KERNEL(const float* q,                              // [num_heads * D]
   // This warp's totals: l over the 16 rows (the 4 lanes of a head hold 4 rows each). Rows g and
   // g + 8 of the fragments are heads g and g + 8; the rows past the group's heads are not kept.
   const int g = lane >> 2, t = lane & 3;
+  const size_t split_row = ((size_t)kv_head * splits + split) * PA_GQA;
 #pragma unroll
   for (int half = 0; half < DECODE_HEAD_HALVES; ++half) {
     l[half] += __shfl_xor_sync(FULL_MASK, l[half], 1);
     l[half] += __shfl_xor_sync(FULL_MASK, l[half], 2);
     const int h = g + 8 * half;
-    if (h < PA_GQA) {
+    if (h >= PA_GQA) continue;
 #pragma unroll
-      for (int n = 0; n < PA_D / 8; ++n)
-        *reinterpret_cast<float2*>(&sh.warp_acc[consumer][h][8 * n + 2 * t]) = make_float2(o[n][2 * half], o[n][2 * half + 1]);
-      if (t == 0) sh.warp_max[consumer][h] = m[half], sh.warp_sum[consumer][h] = l[half];
+    for (int n = 0; n < PA_D / 8; ++n) {
+      const int d = 8 * n + 2 * t;
+      const float2 value = make_float2(o[n][2 * half], o[n][2 * half + 1]);
+      if (!one_page) {
+        *reinterpret_cast<float2*>(&sh.warp_acc[consumer][h][d]) = value;
+      } else if (active_splits == 1) {
+        *reinterpret_cast<unsigned*>(out + (kv_head * PA_GQA + h) * PA_D + d) =
+            pack_half2_rn(value.x / l[half], value.y / l[half]);
+      } else {
+        *reinterpret_cast<float2*>(partial_acc + (split_row + h) * PA_D + d) = value;
+      }
+    }
+    if (t == 0) {
+      if (!one_page) {
+        sh.warp_max[consumer][h] = m[half], sh.warp_sum[consumer][h] = l[half];
+      } else if (active_splits > 1) {
+        partial_max_sum[2 * (split_row + h)] = m[half], partial_max_sum[2 * (split_row + h) + 1] = l[half];
+      }
     }
   }
+  if (one_page) return;
   named_barrier_sync<DECODE_CONSUMER_THREADS>(DECODE_CONSUMERS_BARRIER);  // the producer, maybe gone, is not waited for
 
   // Combine the consumer warps (a warp without pages has max -inf and weighs 0), then either
   // finish (one block holds the whole sequence) or leave this split's share for the combine.
-  const size_t split_row = ((size_t)kv_head * splits + split) * PA_GQA;
   for (int e = threadIdx.x - WARP_SIZE; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS) {
     const int h = e / PA_D, d = e % PA_D;
     float block_max = NEGATIVE_INFINITY;
