@@ -175,7 +175,7 @@ __device__ int paged_attention_decode_threads = DECODE_THREADS;
 // Consumer, every lane, before it reads a stage: wait until its bytes have landed.
 #define CONSUMER_WAIT_STAGE_FULL(stage, round) mbar_wait(&sh.full[stage], (round) & 1)
 // Consumer, whole warp, after reading a stage that the producer will refill (converged:
-// decode_page ends with __syncwarp): every lane's reads are ordered before the refill by the
+// a __syncwarp follows decode_page): every lane's reads are ordered before the refill by the
 // warp's arrival.
 #define CONSUMER_RELEASE_STAGE(stage) named_barrier_arrive<DECODE_STAGE_BARRIER_THREADS>(DECODE_EMPTY_BARRIER0 + (stage))
 #endif

@@ -93,7 +93,7 @@ class Protocol:
     producer_block_barrier: bool = False  # PRODUCER_AFTER_ISSUE: wait full[s] + __syncthreads()
     consumer_waits_full: bool = True  # CONSUMER_WAIT_STAGE_FULL: mbarrier wait on full[s]
     consumer_releases: bool = True  # CONSUMER_RELEASE_STAGE
-    consumer_syncwarp: bool = True  # __syncwarp() after the reads (decode_page ends with one)
+    consumer_syncwarp: bool = True  # __syncwarp() after the reads (the consumer loop has one after decode_page)
     producer_skips_first_round: bool = True  # named: a fresh stage is free, no bar.sync in round 0
     release_only_refilled: bool = True  # named: no bar.arrive for a stage that is not refilled
 
