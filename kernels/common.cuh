@@ -51,8 +51,40 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 // (coherent) loads: ptxas treats ld.global.nc (__ldg, const __restrict__ pointers) as reading
 // immutable memory and moves it across the wait in either direction. Launched without the attribute (eager launches, CPU-side tests),
 // both instructions are no-ops.
-__device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+//
+// Compiled with -DNQ_TRACE (tools/step_timeline.py), the two also write a timeline: thread 0 of
+// block 0 of every kernel records the GPU's global clock (%globaltimer, ns) when the kernel starts
+// and when its wait returns, each in the next slot of its own counter. Both orders are the launch
+// order: a kernel launches only after every block of the one before has started, and its wait
+// returns only after that one has finished, which was after that one's wait. Two counters, so
+// that no shared-memory variable carries a slot from one call to the other: a few bytes more per
+// block can cost a kernel a block per SM, and a GEMV of one wave a second wave.
+#ifdef NQ_TRACE
+// Set by the host; until then (capacity 0) nothing is recorded.
+__device__ unsigned long long* nq_trace_starts;    // [capacity]
+__device__ unsigned long long* nq_trace_releases;  // [capacity]
+__device__ unsigned int* nq_trace_counters;        // [2]: starts, releases taken
+__device__ unsigned int nq_trace_capacity;
+__device__ __forceinline__ void trace_time(unsigned long long* times, unsigned int* counter) {
+  if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) != 0 || nq_trace_capacity == 0) return;
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const unsigned int slot = atomicAdd(counter, 1u);
+  if (slot < nq_trace_capacity) times[slot] = now;
+}
+#endif
+__device__ __forceinline__ void let_next_kernel_launch() {
+#ifdef NQ_TRACE
+  trace_time(nq_trace_starts, nq_trace_counters);
+#endif
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef NQ_TRACE
+  trace_time(nq_trace_releases, nq_trace_counters + 1);
+#endif
+}
 
 // ---------------------------------------------------------------- half precision as bits
 

@@ -62,3 +62,27 @@ def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
         assert re.search(rf"#ifndef {macro}\n#define {macro} [1-9]\d*\n#endif", source), macro
         split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}\)", source)
         assert split_k or f"__device__ int {kernel}_ring_bytes" in source, kernel
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_step_timeline_adds_no_shared_memory(tmp_path):
+    """Built with NQ_TRACE (tools/step_timeline.py), every decode kernel keeps its static shared
+    memory: a few bytes more per block could cost a one-wave GEMV a block per SM, and the
+    timeline would then time another step than the engine's."""
+    import re
+
+    from nanoqwen.cuda_build import DECODER_KERNEL_FILES, kernel_dir, nvcc_command
+    from nanoqwen.random_model import PRESETS
+
+    config = PRESETS["qwen2.5-coder-7b"]
+    entry = re.compile(r"Compiling entry function '(\w+)'.*?Used \d+ registers([^\n]*)", re.S)
+
+    def static_smem(source: str, defines: dict) -> dict[str, int]:
+        command = nvcc_command(config, kernel_dir() / source, tmp_path / "k.cubin", defines)
+        log = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stderr
+        smem = {name: re.search(r"(\d+) bytes smem", rest) for name, rest in entry.findall(log)}
+        return {name: int(found.group(1)) if found else 0 for name, found in smem.items()}
+
+    for source in (*DECODER_KERNEL_FILES, "paged_attention.cu"):
+        plain, traced = static_smem(source, {}), static_smem(source, {"NQ_TRACE": "1"})
+        assert plain and traced == plain, f"{source}: static shared memory {plain} untraced, {traced} traced"

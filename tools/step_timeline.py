@@ -1,0 +1,218 @@
+"""Where the decode step's time goes, kernel by kernel, measured inside the step itself.
+
+`nanoqwen bench` times each kernel in a graph of its own launches, and tools/step_ablation.py
+what the step saves without a group of them. Neither says when, inside the real step, each
+kernel could begin its work. This compiles the kernels with -DNQ_TRACE (kernels/common.cuh):
+thread 0 of block 0 of every kernel records the GPU's global clock when the kernel starts and
+when its programmatic-dependent-launch wait returns, i.e. when the kernel in front has finished
+and its writes are visible. The time from one kernel's wait returning to the next one's is the
+first kernel's share of the step: its work after its inputs were ready, plus the hand-off to the
+next. Those shares add up to the step (the last kernel's runs to the end of the step, timed with
+the step's GPU events). How long before its wait a kernel started is its head start: what the
+prologue above the wait (a GEMV's first weights, attention's barriers) could overlap.
+
+    python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
+    PYTHONPATH=. python3 tools/step_timeline.py /tmp/q7b.nanoqwen --json timeline.json
+
+The timing records cost the kernels an atomic and two stores in one thread each; the step's
+own time is printed beside the untraced step's (`nanoqwen bench`) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoqwen import cuda_build  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_KERNELS  # noqa: E402
+from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
+from nanoqwen.bench import TIMING_STEPS, bytes_per_token, prompted_backend, step_timing_record  # noqa: E402
+from nanoqwen.loader import load  # noqa: E402
+
+READ_BANDWIDTH = 4.49e12  # B/s, the H200's measured read bandwidth: the byte floor's rate (bench-7b-h200.md)
+LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
+          GEMV_KERNELS["o"]: "o GEMV", "paged_attention_decode": "attention (split)", "paged_attention_combine":
+          "attention (combine)", "add_rmsnorm_cluster": "add_rmsnorm", "rope_write_kv": "rope_write_kv",
+          "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
+
+
+def traced_backend(model):
+    """A prompted CudaBackend whose kernel modules are compiled with NQ_TRACE; returns
+    (backend, page_table, modules)."""
+    modules, compile_module = [], cuda_build.compile_module
+
+    def compile_traced(config, files=cuda_build.DECODER_KERNEL_FILES, extra_defines=None):
+        module = compile_module(config, files, {**(extra_defines or {}), "NQ_TRACE": "1"})
+        modules.append(module)
+        return module
+
+    cuda_build.compile_module = compile_traced
+    try:
+        backend, page_table = prompted_backend(model)
+    finally:
+        cuda_build.compile_module = compile_module
+    return backend, page_table, modules
+
+
+def launch_names(backend) -> list[str]:
+    """The kernel of every launch of one decode step, in launch order (nothing is launched)."""
+    names = []
+    kept = dict(backend.kernels)
+    attention = backend.attention
+    kept_attention = (attention._decode, attention._combine)
+
+    def recorder(name):
+        return lambda *args, **kwargs: names.append(name)
+
+    try:
+        for name in kept:
+            backend.kernels[name] = recorder(name)
+        attention._decode, attention._combine = recorder(attention.decode_kernel), recorder("paged_attention_combine")
+        backend.decode_step_launches(backend.stream)
+    finally:
+        backend.kernels.update(kept)
+        attention._decode, attention._combine = kept_attention
+    return names
+
+
+def point_modules_at(modules, starts, releases, counters) -> None:
+    """Every traced module records into `starts` and `releases` (uint64 [capacity]), counting in
+    `counters` (uint32 [2])."""
+    import cupy as cp
+
+    for module in modules:
+        for name, array in (("nq_trace_starts", starts), ("nq_trace_releases", releases),
+                            ("nq_trace_counters", counters)):
+            cp.ndarray((1,), cp.uint64, memptr=module.get_global(name))[...] = array.data.ptr
+        cp.ndarray((1,), cp.uint32, memptr=module.get_global("nq_trace_capacity"))[...] = starts.size
+    cp.cuda.Device().synchronize()
+
+
+def record_steps(backend, page_table, modules, launches: int, steps: int):
+    """Replays the decode graph `steps` times from the prompt's end; returns (start, wait
+    returned) in ns, each [steps, launches], and the GPU-event time of every step in ns."""
+    import cupy as cp
+
+    starts, releases = (cp.zeros(steps * launches, dtype=cp.uint64) for _ in range(2))
+    counters = cp.zeros(2, dtype=cp.uint32)
+    graph = backend.decode_graph()
+    point_modules_at(modules, starts, releases, counters)
+    backend.set_step_inputs(1, PROMPT_TOKENS, page_table)
+    stream, step_ns = backend.stream, []
+    cp.cuda.Device().synchronize()
+    counters.fill(0)
+    cp.cuda.Device().synchronize()
+    for _ in range(steps):
+        begin, end = cp.cuda.Event(), cp.cuda.Event()
+        begin.record(stream)
+        graph.launch()
+        end.record(stream)
+        end.synchronize()
+        step_ns.append(cp.cuda.get_elapsed_time(begin, end) * 1e6)
+    taken = counters.get().tolist()
+    if taken != [steps * launches] * 2:
+        raise RuntimeError(f"{taken} starts and wait returns recorded, expected {steps} steps x {launches} launches")
+    start = starts.get().astype(np.int64).reshape(steps, launches)
+    released = releases.get().astype(np.int64).reshape(steps, launches)
+    if (np.diff(released, axis=1) < 0).any():
+        raise RuntimeError("a kernel's wait returned before the one in front's: the records are out of launch order")
+    return start, released, np.array(step_ns)
+
+
+def gemv_floor_ns(config, name: str) -> float | None:
+    """The byte floor of one launch of a decode GEMV: its packed weights and scales read once."""
+    c = config
+    shapes = {"gemv_int4_gate_up_silu": (2 * c.intermediate_size, c.hidden_size),
+              GEMV_KERNELS["qkv"]: (c.q_dim + 2 * c.kv_dim, c.hidden_size),
+              GEMV_KERNELS["o"]: (c.hidden_size, c.q_dim), GEMV_KERNELS["down"]: (c.hidden_size, c.intermediate_size)}
+    if name == "lm_head_logits":
+        return c.vocab_size * c.hidden_size * 2 / READ_BANDWIDTH * 1e9
+    if name not in shapes:
+        return None
+    rows, cols = shapes[name]
+    return (rows * cols // 2 + rows * (cols // c.group_size) * 2) / READ_BANDWIDTH * 1e9
+
+
+def summarize(config, names: list[str], start, released, step_ns) -> dict:
+    """Per kernel: its mean share of the step (from its wait returning to the next kernel's) and
+    head start (from its start to its wait returning), in µs, over every step and launch."""
+    shares = np.empty_like(released)
+    shares[:, :-1] = np.diff(released, axis=1)
+    # The last launch's share runs to the step's end: the step's GPU events began just before its
+    # first kernel started, so start + the events' time is the end, a little late.
+    shares[:, -1] = start[:, 0] + step_ns.astype(np.int64) - released[:, -1]
+    head_starts = released - start
+    per_kernel = defaultdict(lambda: {"launches_per_step": 0, "share_us": [], "head_start_us": []})
+    for k, name in enumerate(names):
+        entry = per_kernel[name]
+        entry["launches_per_step"] += 1
+        entry["share_us"].extend((shares[:, k] / 1e3).tolist())
+        entry["head_start_us"].extend((head_starts[:, k] / 1e3).tolist())
+    rows = []
+    for name, entry in per_kernel.items():
+        share = statistics.fmean(entry["share_us"])
+        floor_ns = gemv_floor_ns(config, name)
+        rows.append({
+            "kernel": name, "label": LABELS.get(name, name), "launches_per_step": entry["launches_per_step"],
+            "share_us_per_launch": share, "share_us_per_step": share * entry["launches_per_step"],
+            "head_start_us_per_launch": statistics.fmean(entry["head_start_us"]),
+            "floor_us_per_launch": None if floor_ns is None else floor_ns / 1e3,
+        })
+    rows.sort(key=lambda r: -r["share_us_per_step"])
+    layer = [k for k, name in enumerate(names) if name == "add_rmsnorm_cluster"][:2]
+    one_layer = [{"kernel": names[k], "label": LABELS.get(names[k], names[k]),
+                  "share_us": float(np.mean(shares[:, k]) / 1e3), "head_start_us": float(np.mean(head_starts[:, k]) / 1e3)}
+                 for k in range(layer[0], layer[0] + 9)] if layer else []
+    clock = np.unique(np.diff(np.sort(released.reshape(-1))))
+    return {"rows": rows, "layer_0": one_layer, "step_us": float(np.median(step_ns) / 1e3),
+            "shares_sum_us": float(np.median(shares.sum(axis=1)) / 1e3),
+            "clock_smallest_nonzero_step_ns": int(clock[clock > 0].min()) if (clock > 0).any() else None}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
+    parser.add_argument("--steps", type=int, default=TIMING_STEPS)
+    parser.add_argument("--without-pdl", action="store_true",
+                        help="capture the step without programmatic dependent launch: every kernel starts after the last")
+    parser.add_argument("--json", type=Path, help="write the summary and every recorded time here")
+    args = parser.parse_args(argv)
+
+    model = load(args.model)
+    backend, page_table, modules = traced_backend(model)
+    backend.pdl = not args.without_pdl
+    names = launch_names(backend)
+    start, released, step_ns = record_steps(backend, page_table, modules, len(names), args.steps)
+    summary = summarize(model.config, names, start, released, step_ns)
+    floor_us = sum(bytes_per_token(model.config, PROMPT_TOKENS).values()) / READ_BANDWIDTH * 1e6
+    print(f"traced step {summary['step_us']:.1f} us (median of {args.steps}), shares add up to "
+          f"{summary['shares_sum_us']:.1f}; byte floor {floor_us:.1f} us; {len(names)} launches; "
+          f"smallest clock step seen {summary['clock_smallest_nonzero_step_ns']} ns")
+    print(f"{'kernel':22s} {'launches':>8s} {'us/step':>8s} {'us/launch':>9s} {'floor/launch':>12s} {'head start':>10s}")
+    for r in summary["rows"]:
+        floor = "" if r["floor_us_per_launch"] is None else f"{r['floor_us_per_launch']:.2f}"
+        print(f"{r['label']:22s} {r['launches_per_step']:8d} {r['share_us_per_step']:8.1f} {r['share_us_per_launch']:9.2f} "
+              f"{floor:>12s} {r['head_start_us_per_launch']:10.2f}")
+    print("layer 0, in order:", ", ".join(f"{r['label']} {r['share_us']:.2f}" for r in summary["layer_0"]))
+    if args.json:
+        record = step_timing_record("tools/step_timeline.py", argv or sys.argv[1:], [])
+        record.pop("rows", None)
+        record.update(summary, byte_floor_us=floor_us, launch_names=names,
+                      start_ns=(start - start[:, :1]).tolist(), released_ns=(released - start[:, :1]).tolist(),
+                      step_ns=step_ns.tolist())
+        args.json.write_text(json.dumps(record, indent=1))
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
