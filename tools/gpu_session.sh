@@ -43,7 +43,7 @@ case "${1:-checks}" in
     step "bench 7B int8" 60 python3 -m nanoqwen bench "$MODEL_7B" --activations int8 --json "$OUT/bench-7b-int8.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD NANOQWEN_REQUIRE_GPU=1
-    step "book under nbval" 200 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
+    step "book under nbval" 280 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
     ;;
   ab)
     base=${2:?usage: gpu_session.sh ab DIR}
