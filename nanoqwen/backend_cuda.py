@@ -179,6 +179,14 @@ def fit_gemv_rings(kernel, module, name: str) -> int:
     return ring_bytes
 
 
+def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:
+    """One warp's ring of GEMV `name` as kernels/gemv_int4.cu's GemvRing lays it out: per slot, the
+    warp's tiles' (gate+up: two) 16 rows x group_size / 2 bytes of weights and group_size fp16 of x.
+    The engine launches with the device's own figure (fit_gemv_rings); this plans without a GPU."""
+    tiles = 2 if name == "gemv_int4_gate_up_silu" else 1
+    return stages * (tiles * TILE_ROWS * group_size // 2 + 2 * group_size)
+
+
 def set_carveout(kernel, percent: int) -> None:
     """Ask the driver to split each SM's L1/shared capacity so that `percent` of it is shared
     memory whenever `kernel` runs (-1: the driver's choice)."""

@@ -18,6 +18,7 @@ machine without a GPU (tools/compile_kernels.py).
 from __future__ import annotations
 
 import hashlib
+import re
 import importlib.resources
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def compile_module(config: ModelConfig, files=DECODER_KERNEL_FILES, extra_define
     module = cupy.RawModule(code=code, options=options)
     module.compile()
     return module
+
+
+def macro_defaults(source_name: str) -> dict[str, str]:
+    """The defaults a kernel file gives its tunable macros (`#ifndef NAME` / `#define NAME value` /
+    `#endif`), as the compiler sees them when no -D option sets them."""
+    text = (kernel_dir() / source_name).read_text()
+    return dict(re.findall(r"#ifndef (\w+)\n#define \1 (\S+)\n#endif", text))
 
 
 def module_int(module, name: str) -> int:

@@ -34,8 +34,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, NULL, RMS_CLUSTER, CudaBackend, block_threads,
-    fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks,
+    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, RMS_CLUSTER,
+    CudaBackend, block_threads, fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks, planned_ring_bytes,
 )
 
 ODD = ModelConfig(
@@ -166,6 +166,16 @@ GEMV_CASES = [  # config, kernel, what, rows (N), bias
 ]
 IN_FEATURES = {"gemv_int4_from_hidden": "hidden_size", "gemv_int4_from_q_dim": "q_dim",
                "gemv_int4_from_intermediate": "intermediate_size"}
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_planned_ring_bytes_match_the_device(config_name):
+    """Chapter 6's dry run plans the GEMVs' shared memory from the kernel file's default depths
+    (cuda_build.macro_defaults, backend_cuda.planned_ring_bytes); the device reports its own."""
+    stages = cuda_build.macro_defaults("gemv_int4.cu")
+    for name, macro in GEMV_STAGES_MACROS.items():
+        planned = planned_ring_bytes(name, int(stages[macro]), CONFIGS[config_name].group_size)
+        assert planned == cuda_build.module_int(module(config_name), f"{name}_ring_bytes"), name
 
 
 @pytest.mark.parametrize("split_choice", ["one", "backend", "a block's most"])
