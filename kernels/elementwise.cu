@@ -54,6 +54,8 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
   // projection's output is loaded.
   const int position = positions_base[0] + token;
   float c, s;
+  // The accurate sincosf at any position: its reduction of large angles (up to 32768 radians here)
+  // keeps a 32-byte table in local memory, the kernel's stack frame in results/ptxas-report.txt.
   sincosf((float)position * inv_freq[i], &s, &c);
   const long long page = is_query ? 0 : page_table[position / NQ_PAGE_SIZE];
   wait_for_previous_kernel();  // qkv is the projection's output
