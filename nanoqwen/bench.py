@@ -42,6 +42,29 @@ def bytes_per_token(config: ModelConfig, context: int) -> dict[str, int]:
     }
 
 
+def int4_bytes(out_features: int, in_features: int, group_size: int) -> int:
+    """Packed nibbles plus one fp16 scale per group."""
+    return out_features * in_features // 2 + out_features * in_features // group_size * 2
+
+
+def kernel_bytes(config: ModelConfig, context: int) -> dict[str, int]:
+    """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte."""
+    L, H, I, g = config.num_layers, config.hidden_size, config.intermediate_size, config.group_size
+    qkv = config.q_dim + 2 * config.kv_dim
+    return {
+        "embed_tokens": 2 * H,  # one row of the embedding
+        "add_rmsnorm_cluster": (2 * L + 1) * 2 * H,  # a norm weight each: 2 per layer + the final norm
+        "gemv_int4_from_hidden": L * (int4_bytes(qkv, H, g) + 2 * qkv),  # + q, k, v biases
+        "rope_write_kv": 0,
+        "attention_decode": L * 2 * config.kv_dim * 2 * context,  # K and V of every cached position
+        "gemv_int4_from_q_dim": L * int4_bytes(H, config.q_dim, g),
+        "gemv_int4_gate_up_silu": L * int4_bytes(2 * I, H, g),
+        "gemv_int4_from_intermediate": L * int4_bytes(H, I, g),
+        "lm_head_logits": config.vocab_size * H * 2,
+        "argmax_select_next": 0,
+    }
+
+
 def _median_ms(samples) -> float:
     return statistics.median(samples) * 1e3
 

@@ -18,8 +18,8 @@ machine without a GPU (tools/compile_kernels.py).
 from __future__ import annotations
 
 import hashlib
-import re
 import importlib.resources
+import re
 from pathlib import Path
 
 from .config import PAGE_SIZE, ModelConfig
