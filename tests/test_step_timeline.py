@@ -1,0 +1,73 @@
+"""tools/step_timeline.py's arithmetic on made-up records (the records themselves need a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import step_timeline  # noqa: E402
+
+from nanoqwen.bench import READ_BANDWIDTH, kernel_bytes  # noqa: E402
+from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+
+LAYER = ["add_rmsnorm_cluster", "gemv_int4_from_hidden", "rope_write_kv", "paged_attention_decode",
+         "paged_attention_combine", "gemv_int4_from_q_dim", "add_rmsnorm_cluster", "gemv_int4_gate_up_silu",
+         "gemv_int4_from_intermediate"]
+
+
+def step_names(config) -> list[str]:
+    return ["embed_tokens", *LAYER * config.num_layers, "add_rmsnorm_cluster", "lm_head_logits", "argmax_select_next"]
+
+
+@pytest.fixture
+def records():
+    """Three steps of random kernel shares (1-20 µs) and head starts (0-5 µs), in ns."""
+    config = QWEN25_CODER_7B
+    names = step_names(config)
+    rng = np.random.default_rng(3)
+    shares = rng.integers(1_000, 20_000, (3, len(names)))
+    released = 7_000 + np.cumsum(shares, axis=1) - shares  # kernel k's wait returns after the shares before it
+    start = released - rng.integers(0, 5_000, released.shape)
+    step_ns = (released[:, -1] + shares[:, -1] - start[:, 0]).astype(float)  # the last share ends the step
+    return config, names, start, released, step_ns, shares
+
+
+def test_shares_add_up_to_the_step(records):
+    config, names, start, released, step_ns, shares = records
+    summary = step_timeline.summarize(config, names, start, released, step_ns)
+    after_first_wait = step_ns - (released[:, 0] - start[:, 0])  # the first kernel's head start is no share
+    assert summary["shares_sum_us"] == pytest.approx(np.median(after_first_wait) / 1e3)
+    assert sum(r["share_us_per_step"] for r in summary["rows"]) == pytest.approx(np.mean(after_first_wait) / 1e3)
+    by_kernel = {r["kernel"]: r for r in summary["rows"]}
+    assert by_kernel["add_rmsnorm_cluster"]["launches_per_step"] == 2 * config.num_layers + 1
+    assert sum(r["launches_per_step"] for r in summary["rows"]) == len(names)
+    gate_up = [k for k, name in enumerate(names) if name == "gemv_int4_gate_up_silu"]
+    assert by_kernel["gemv_int4_gate_up_silu"]["share_us_per_launch"] == pytest.approx(shares[:, gate_up].mean() / 1e3)
+    assert by_kernel["argmax_select_next"]["share_us_per_launch"] == pytest.approx(shares[:, -1].mean() / 1e3)
+
+
+def test_head_starts_and_the_first_layer(records):
+    config, names, start, released, step_ns, _ = records
+    summary = step_timeline.summarize(config, names, start, released, step_ns)
+    lm_head = names.index("lm_head_logits")
+    by_kernel = {r["kernel"]: r for r in summary["rows"]}
+    assert by_kernel["lm_head_logits"]["head_start_us_per_launch"] == pytest.approx(
+        (released[:, lm_head] - start[:, lm_head]).mean() / 1e3)
+    assert [r["kernel"] for r in summary["layer_0"]] == LAYER
+
+
+def test_floors_are_the_kernels_bytes_per_launch(records):
+    config, names, start, released, step_ns, _ = records
+    by_kernel = {r["kernel"]: r for r in step_timeline.summarize(config, names, start, released, step_ns)["rows"]}
+    budget = kernel_bytes(config, step_timeline.PROMPT_TOKENS + 1)
+    gate_up = budget["gemv_int4_gate_up_silu"] / config.num_layers / READ_BANDWIDTH * 1e6
+    assert by_kernel["gemv_int4_gate_up_silu"]["floor_us_per_launch"] == pytest.approx(gate_up)
+    assert by_kernel["paged_attention_decode"]["floor_us_per_launch"] == pytest.approx(
+        budget["attention_decode"] / config.num_layers / READ_BANDWIDTH * 1e6)
+    assert by_kernel["rope_write_kv"]["floor_us_per_launch"] is None  # it reads nothing of the byte floor
