@@ -7,9 +7,10 @@ thread 0 of block 0 of every kernel records the GPU's global clock when the kern
 when its programmatic-dependent-launch wait returns, i.e. when the kernel in front has finished
 and its writes are visible. The time from one kernel's wait returning to the next one's is the
 first kernel's share of the step: its work after its inputs were ready, plus the hand-off to the
-next. Those shares add up to the step, less the first kernel's head start (the last kernel's runs
-to the end of the step, timed with the step's GPU events). How long before its wait a kernel started is its head start: what the
-prologue above the wait (a GEMV's first weights, attention's barriers) could overlap.
+next. Those shares add up to the step, less the first kernel's head start (the last kernel's
+runs to the end of the step, timed with the step's GPU events). How long before its wait a
+kernel started is its head start: what the prologue above the wait (a GEMV's first weights,
+attention's barriers) could overlap.
 
     python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
     PYTHONPATH=. python3 tools/step_timeline.py /tmp/q7b.nanoqwen --json timeline.json
