@@ -172,6 +172,28 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     return backend, page_table
 
 
+def step_launch_names(backend) -> list[str]:
+    """The kernel of every launch of one decode step of a CudaBackend, in launch order, the
+    attention object's two kernels included; nothing is launched."""
+    names = []
+    kept = dict(backend.kernels)
+    attention = backend.attention
+    kept_attention = (attention._decode, attention._combine)
+
+    def recorder(name):
+        return lambda *args, **kwargs: names.append(name)
+
+    try:
+        for name in kept:
+            backend.kernels[name] = recorder(name)
+        attention._decode, attention._combine = recorder(attention.decode_kernel), recorder("paged_attention_combine")
+        backend.decode_step_launches(backend.stream)
+    finally:
+        backend.kernels.update(kept)
+        attention._decode, attention._combine = kept_attention
+    return names
+
+
 def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
     """A step-level tool's rows with where and when they were measured (UTC date and minute, the
     GPU's name, the command) and the protocol they start from, ready for results/."""

@@ -1,4 +1,4 @@
-"""tools/step_timeline.py's arithmetic on made-up records (the records themselves need a GPU)."""
+"""The step tools' arithmetic (tools/step_timeline.py, tools/step_ablation.py) on made-up records and backends."""
 
 from __future__ import annotations
 
@@ -71,3 +71,55 @@ def test_floors_are_the_kernels_bytes_per_launch(records):
     assert by_kernel["paged_attention_decode"]["floor_us_per_launch"] == pytest.approx(
         budget["attention_decode"] / config.num_layers / READ_BANDWIDTH * 1e6)
     assert by_kernel["rope_write_kv"]["floor_us_per_launch"] is None  # it reads nothing of the byte floor
+
+
+class _RecordedAttention:
+    """The two kernels a PagedAttention decode launches, as attributes step_launch_names swaps."""
+
+    decode_kernel = "paged_attention_decode"
+
+    def __init__(self):
+        self._decode = self._combine = _never
+
+    def decode(self, *args, **kwargs):
+        self._decode()
+        self._combine()
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("step_launch_names launched a kernel")
+
+
+class _TwoLayerBackend:
+    """decode_step_launches of a CudaBackend in miniature: kernels by name, attention in between."""
+
+    stream = None
+
+    def __init__(self):
+        self.kernels = {"add_rmsnorm_cluster": _never, "gemv_int4_from_hidden": _never, "lm_head_logits": _never}
+        self.attention = _RecordedAttention()
+
+    def decode_step_launches(self, stream):
+        for _ in range(2):
+            self.kernels["add_rmsnorm_cluster"]()
+            self.kernels["gemv_int4_from_hidden"]()
+            self.attention.decode()
+        self.kernels["lm_head_logits"]()
+
+
+def test_step_launch_names_records_in_order_and_restores_the_kernels():
+    from nanoqwen.bench import step_launch_names
+
+    backend = _TwoLayerBackend()
+    layer = ["add_rmsnorm_cluster", "gemv_int4_from_hidden", "paged_attention_decode", "paged_attention_combine"]
+    assert step_launch_names(backend) == [*layer, *layer, "lm_head_logits"]
+    assert all(kernel is _never for kernel in backend.kernels.values())
+    assert backend.attention._decode is _never and backend.attention._combine is _never
+
+
+def test_the_ablation_counts_launches_from_the_same_record():
+    import step_ablation
+
+    backend = _TwoLayerBackend()
+    assert step_ablation.launches_of(backend, ["attention"]) == 4
+    assert step_ablation.launches_of(backend, ["add_rmsnorm_cluster", "lm_head_logits"]) == 3

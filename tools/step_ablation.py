@@ -26,7 +26,9 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
+from nanoqwen.bench import (  # noqa: E402
+    TIMING_STEPS, prompted_backend, report_step_timings, step_launch_names, time_decode_steps,
+)
 from nanoqwen.loader import load  # noqa: E402
 # group name -> kernels left out of the captured step ("attention" is the attention object's decode)
 GROUPS = {
@@ -63,26 +65,11 @@ def without(backend: CudaBackend, names: list[str]):
 
 
 def launches_of(backend: CudaBackend, names: list[str]) -> int:
-    """How many launches of `names` one decode step makes."""
-    counted = {}
-
-    def count(name):
-        def launch(*args, **kwargs):
-            counted[name] = counted.get(name, 0) + 1
-        return launch
-
-    kept = {name: backend.kernels[name] for name in backend.kernels}
-    attention_calls = []
-    try:
-        for name in kept:
-            backend.kernels[name] = count(name)
-        backend.attention.decode = lambda *a, **k: attention_calls.append(1)
-        backend.decode_step_launches(backend.stream)
-    finally:
-        backend.kernels.update(kept)
-        del backend.attention.decode
-    per_attention = getattr(backend.attention, "launches_per_decode", 1)
-    return sum(len(attention_calls) * per_attention if n == "attention" else counted.get(n, 0) for n in names)
+    """How many launches of `names` ("attention": the attention object's two kernels) one decode step makes."""
+    kernels = set(names) - {"attention"}
+    if "attention" in names:
+        kernels |= {backend.attention.decode_kernel, "paged_attention_combine"}
+    return sum(name in kernels for name in step_launch_names(backend))
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,8 @@ from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import GEMV_KERNELS  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import (  # noqa: E402
-    READ_BANDWIDTH, TIMING_STEPS, bytes_per_token, kernel_bytes, prompted_backend, step_timing_record,
+    READ_BANDWIDTH, TIMING_STEPS, bytes_per_token, kernel_bytes, prompted_backend, step_launch_names,
+    step_timing_record,
 )
 from nanoqwen.loader import load  # noqa: E402
 
@@ -63,27 +64,6 @@ def traced_backend(model):
     finally:
         cuda_build.compile_module = compile_module
     return backend, page_table, modules
-
-
-def launch_names(backend) -> list[str]:
-    """The kernel of every launch of one decode step, in launch order (nothing is launched)."""
-    names = []
-    kept = dict(backend.kernels)
-    attention = backend.attention
-    kept_attention = (attention._decode, attention._combine)
-
-    def recorder(name):
-        return lambda *args, **kwargs: names.append(name)
-
-    try:
-        for name in kept:
-            backend.kernels[name] = recorder(name)
-        attention._decode, attention._combine = recorder(attention.decode_kernel), recorder("paged_attention_combine")
-        backend.decode_step_launches(backend.stream)
-    finally:
-        backend.kernels.update(kept)
-        attention._decode, attention._combine = kept_attention
-    return names
 
 
 def point_modules_at(modules, starts, releases, counters) -> None:
@@ -180,7 +160,7 @@ def main(argv=None) -> int:
     model = load(args.model)
     backend, page_table, modules = traced_backend(model)
     backend.pdl = not args.without_pdl
-    names = launch_names(backend)
+    names = step_launch_names(backend)
     start, released, step_ns = record_steps(backend, page_table, modules, len(names), args.steps)
     summary = summarize(model.config, names, start, released, step_ns)
     floor_us = sum(bytes_per_token(model.config, PROMPT_TOKENS).values()) / READ_BANDWIDTH * 1e6
