@@ -12,7 +12,11 @@ cache), so no launch finds its matrix in L2 and no launch waits for the host. Th
 launch therefore includes the ~1 µs gap between consecutive kernels of a graph, as in the
 engine's captured decode step. Random weights, never zeros.
 
-    PYTHONPATH=. python3 tools/bench_kernels.py --out results/bench.md
+`--l2-probe` adds one question about the two big GEMVs: held up by DRAM or inside the SM? It
+times each over a share of its row tiles, streaming its weights from DRAM, and again reading one
+copy that stays in L2.
+
+    PYTHONPATH=. python3 tools/bench_kernels.py --out results/bench.md [--sweep] [--l2-probe]
 """
 
 from __future__ import annotations
@@ -105,12 +109,15 @@ def random_scales(cp, shape):
     return (0.004 + 0.008 * cp.random.random(shape)).astype(cp.float16)
 
 
-def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_per_sm=None):
-    """A split-K INT4 GEMV (or, for kernel gemv_int4_gate_up_silu, the fused gate+up)."""
+def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_per_sm=None, tile_share=1,
+               resident=False):
+    """A split-K INT4 GEMV (or, for kernel gemv_int4_gate_up_silu, the fused gate+up). With
+    `tile_share` s the launch covers only the first 1/s of its row tiles (and of the bytes); with
+    `resident` every launch reads the same copy of the weights, which then stays in L2 if it fits."""
     fused = kernel == "gemv_int4_gate_up_silu"
     rows = 2 * n if fused else n
     weight_bytes = rows * k // 2 + rows * (k // 128) * 2
-    copies = copies_for(weight_bytes, l2_bytes)
+    copies = 1 if resident else copies_for(weight_bytes // tile_share, l2_bytes)
     qweights = [tile_int4(random_words(cp, (rows, k // 8)), xp=cp) for _ in range(copies)]  # the engine's layout
     scales = [random_scales(cp, (rows, k // 128)) for _ in range(copies)]
     x = (cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
@@ -118,8 +125,8 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     ring_bytes = fit_gemv_rings(function, module, kernel)
     if fused:
         splits, out = GATE_UP_SPLITS, cp.empty(n, dtype=cp.float16)
-        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
-        out_bytes = n * 2
+        grid, block, shared_mem = gemv_launch(kernel, n // tile_share, splits, ring_bytes)
+        out_bytes = n // tile_share * 2
 
         def launch(i):
             function(grid, block, (qweights[i], scales[i], x, out), shared_mem=shared_mem)
@@ -127,8 +134,8 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
         splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
         out = cp.empty(n, dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
-        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
-        out_bytes = n * 4 + (n * 2 if bias else 0)
+        grid, block, shared_mem = gemv_launch(kernel, n // tile_share, splits, ring_bytes)
+        out_bytes = (n * 4 + (n * 2 if bias else 0)) // tile_share
 
         def launch(i):
             function(grid, block, (qweights[i], scales[i], NULL if bias_array is None else bias_array, x, out, np.int32(n)),
@@ -138,7 +145,21 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     shape = f"{'2x' if fused else ''}{n}x{k}"
     warps = grid[0] * block[0] // 32
     return dict(name=name, shape=shape, config=f"split {splits}, {warps} warps", seconds=seconds,
-                bytes=weight_bytes + k * 2 + out_bytes)
+                bytes=weight_bytes // tile_share + k * 2 + out_bytes)
+
+
+def l2_probe(cp, module, l2_bytes, num_sms, config) -> list[str]:
+    """Is a big GEMV held up by DRAM or by its SMs? The same launch over a share of its tiles, its
+    weights streamed from DRAM (rotating copies) or read again from L2 (one copy, replayed): if
+    L2's shorter round trips barely help, the time goes inside the SM."""
+    h, i = config.hidden_size, config.intermediate_size
+    lines = ["| GEMV | tiles launched | weights from | median µs | MB | TB/s |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for label, kernel, n, k in (("gate+up", "gemv_int4_gate_up_silu", i, h), ("down", "gemv_int4_from_intermediate", h, i)):
+        for share, resident in ((1, False), (2, False), (2, True), (4, True)):
+            r = bench_gemv(cp, module, l2_bytes, num_sms, label, kernel, n, k, False, tile_share=share, resident=resident)
+            lines.append(f"| {label} | 1/{share} | {'L2 (one copy)' if resident else 'DRAM (copies)'} | "
+                         f"{r['seconds'] * 1e6:.2f} | {r['bytes'] / 1e6:.1f} | {r['bytes'] / r['seconds'] / 1e12:.2f} |")
+    return lines
 
 
 def bench_lm_head(cp, module, num_sms, config):
@@ -200,7 +221,7 @@ def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
     return lines
 
 
-def run(out: Path | None, with_sweep: bool = False) -> list[dict]:
+def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False) -> list[dict]:
     import cupy as cp
 
     config = QWEN25_CODER_7B
@@ -232,7 +253,7 @@ def run(out: Path | None, with_sweep: bool = False) -> list[dict]:
     lines = [
         f"date: {datetime.date.today().isoformat()}; GPU: {gpu_name} ({num_sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB); "
         f"CuPy {cp.__version__}",
-        "command: PYTHONPATH=. python3 tools/bench_kernels.py",
+        "command: PYTHONPATH=. python3 tools/bench_kernels.py" + " --sweep" * with_sweep + " --l2-probe" * with_l2_probe,
         f"device-to-device copy (read + write counted): {copy / 1e12:.2f} TB/s; "
         f"read-only reference {READ_ONLY_TBPS} TB/s",
         f"median of {RUNS} replays of a CUDA graph of max({BATCH}, copies) launches, inputs rotated over >= 3x L2",
@@ -249,6 +270,9 @@ def run(out: Path | None, with_sweep: bool = False) -> list[dict]:
     if with_sweep:
         lines += ["", "INT4 GEMV tuning sweep (median us per launch, same timing):", ""]
         lines += sweep(cp, l2_bytes, num_sms, config)
+    if with_l2_probe:
+        lines += ["", "L2 probe (same timing; a share of the row tiles, weights from DRAM or L2-resident):", ""]
+        lines += l2_probe(cp, module, l2_bytes, num_sms, config)
     text = "\n".join(lines) + "\n"
     print(text)
     if out is not None:
@@ -260,8 +284,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
     parser.add_argument("--sweep", action="store_true", help="also time other ring depths and split-K targets")
+    parser.add_argument("--l2-probe", action="store_true",
+                        help="also time gate+up and down over a share of their tiles, weights from DRAM or from L2")
     args = parser.parse_args(argv)
-    run(args.out, args.sweep)
+    run(args.out, args.sweep, args.l2_probe)
 
 
 if __name__ == "__main__":
