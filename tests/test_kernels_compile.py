@@ -88,3 +88,15 @@ def test_the_step_timeline_adds_no_shared_memory(tmp_path):
     for source in (*DECODER_KERNEL_FILES, "paged_attention.cu"):
         plain, traced = static_smem(source, {}), static_smem(source, {"NQ_TRACE": "1"})
         assert plain and traced == plain, f"{source}: static shared memory {plain} untraced, {traced} traced"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_sync_costs_probe_compiles(tmp_path):
+    """tools/sync_costs.cu, self-contained (no model dimensions), builds for sm_90a: its cluster
+    barriers and distributed shared memory need it."""
+    result = subprocess.run(
+        ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17",
+         "-o", str(tmp_path / "sync_costs.cubin"), str(REPO / "tools" / "sync_costs.cu")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
