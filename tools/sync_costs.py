@@ -32,6 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nanoqwen.backend_cuda import persistent_blocks  # noqa: E402
 from nanoqwen.cuda_graph import capture  # noqa: E402
 from nanoqwen.cuda_launch import ProgrammaticKernel  # noqa: E402
 
@@ -79,6 +80,11 @@ def _measure_on(cp, module, stream, blocks: int, rounds: int, repeats: int) -> d
 
     counter = cp.zeros(1, dtype=cp.uint32)
     grid_barriers = module.get_function("grid_barriers")
+    # A block that is not resident never arrives, and the others would spin forever.
+    resident = persistent_blocks(grid_barriers, THREADS, cp.cuda.Device().attributes["MultiProcessorCount"])
+    if blocks > resident:
+        raise ValueError(f"--blocks {blocks}: the grid barrier needs every block resident at once, "
+                         f"and this GPU holds {resident} blocks of {THREADS} threads")
 
     def grid_run():
         counter.fill(0)
