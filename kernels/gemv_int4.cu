@@ -60,15 +60,17 @@ constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x pe
 // (tools/sweep_gemv_stages.py), and together with each kernel's shared-memory carve-out
 // (backend_cuda.GEMV_CARVEOUT_PERCENT): the two decide how many blocks an SM holds, and so how
 // the blocks spread over the SMs. down_proj's 224 blocks of 10 warps run fastest with 6 groups in
-// flight per warp at the full carve-out (two blocks per SM; session 8).
+// flight per warp at the full carve-out (two blocks per SM; session 8). q|k|v and o, whose warps
+// have at most 3 groups each (backend_cuda.CHAIN_GEMV_GROUPS_PER_SPLIT), run 3 deep: two groups
+// asked for before the wait, and three blocks of 10 warps per SM at half the carve-out (session 13).
 #ifndef NQ_GATE_UP_STAGES
 #define NQ_GATE_UP_STAGES 4
 #endif
 #ifndef NQ_FROM_HIDDEN_STAGES
-#define NQ_FROM_HIDDEN_STAGES 4
+#define NQ_FROM_HIDDEN_STAGES 3
 #endif
 #ifndef NQ_FROM_Q_DIM_STAGES
-#define NQ_FROM_Q_DIM_STAGES 4
+#define NQ_FROM_Q_DIM_STAGES 3
 #endif
 #ifndef NQ_FROM_INTERMEDIATE_STAGES
 #define NQ_FROM_INTERMEDIATE_STAGES 6

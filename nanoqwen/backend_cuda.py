@@ -61,6 +61,7 @@ RMS_CLUSTER = 8  # blocks of add_rmsnorm_cluster's clusters (kernels/rmsnorm.cu)
 # in flight). Isolated, 12 was fastest for down_proj on an H200 (results/kernels-h200.md); in the
 # decode step, where each GEMV fills its rings while the kernel before it runs, 16 was: 2.030
 # ms/token against 2.074 (12), 2.147 (20) and 2.427 (8) (results/gemv-lab-h200.md, session 4).
+# The engine splits down_proj by it; q|k|v and o by CHAIN_GEMV_GROUPS_PER_SPLIT (projection_splits).
 GEMV_WARPS_PER_SM = 16
 # Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
 # driver's choice). With its ring depth (kernels/gemv_int4.cu, NQ_*_STAGES) it sets how many of the
@@ -75,6 +76,14 @@ GEMV_WARPS_PER_SM = 16
 GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_from_q_dim": 50, "gemv_int4_from_intermediate": 100,
                          "gemv_int4_gate_up_silu": -1}
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
+# q|k|v and o sit on the step's chain of small kernels (chapter 9), where what a warp still has to
+# multiply after its wait is the kernel's time. So they split K until no warp has more than this
+# many groups: ten warps per tile at the 7B's 28 groups. Each warp's 3-deep ring (NQ_FROM_HIDDEN_STAGES,
+# NQ_FROM_Q_DIM_STAGES) asks for two of its groups before the wait, and three blocks' rings (3 x 38
+# KB) fit an SM at half the carve-out, so q|k|v's 288 tiles start in one wave. On an H200: 1.559-1.561 ms per step against 1.576-1.582 at
+# seven warps per tile with 4-deep rings; nine or eight warps, or fourteen for o, were slower
+# (results/step-lab-session13-h200.md).
+CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument
 ACTIVATIONS = ("fp16", "int8")
@@ -139,6 +148,16 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     groups = in_features // group_size
     wanted = -(-warps_per_sm * num_sms // tiles)
     return max(1, min(wanted, groups // min_groups_per_split, GEMV_MAX_SPLITS))
+
+
+def projection_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128) -> int:
+    """The split-K factor the engine gives a decode projection ("qkv", "o", "down", "gate_up"; the
+    fused gate+up GEMV itself runs GATE_UP_SPLITS warps per tile): the chain GEMVs at most
+    CHAIN_GEMV_GROUPS_PER_SPLIT groups per warp, the others `gemv_splits`' warps per SM."""
+    most_groups = CHAIN_GEMV_GROUPS_PER_SPLIT.get(projection)
+    if most_groups is None:
+        return gemv_splits(out_features, in_features, num_sms, group_size)
+    return max(1, min(-(-(in_features // group_size) // most_groups), GEMV_MAX_SPLITS))
 
 
 def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
@@ -310,7 +329,7 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ setup
 
-    def _upload_linear(self, linears: list[Int4Linear]) -> DeviceLinear:
+    def _upload_linear(self, projection: str, linears: list[Int4Linear]) -> DeviceLinear:
         """Stack `linears` into one matrix and upload it, the packed words tiled on the device."""
         cp = self._cp
         qweight, scales, bias = stack_linears(linears)
@@ -323,7 +342,7 @@ class CudaBackend:
             bias32=None if bias is None else bias.astype(cp.float32),
             out_features=out_features,
             in_features=in_features,
-            splits=gemv_splits(out_features, in_features, self.num_sms, self.config.group_size),
+            splits=projection_splits(projection, out_features, in_features, self.num_sms, self.config.group_size),
         )
 
     def _upload_layer(self, w) -> DeviceLayer:
@@ -331,10 +350,10 @@ class CudaBackend:
         return DeviceLayer(
             input_norm=cp.asarray(w.input_norm),
             post_norm=cp.asarray(w.post_norm),
-            qkv=self._upload_linear([w.q, w.k, w.v]),
-            o=self._upload_linear([w.o]),
-            gate_up=self._upload_linear([w.gate, w.up]),
-            down=self._upload_linear([w.down]),
+            qkv=self._upload_linear("qkv", [w.q, w.k, w.v]),
+            o=self._upload_linear("o", [w.o]),
+            gate_up=self._upload_linear("gate_up", [w.gate, w.up]),
+            down=self._upload_linear("down", [w.down]),
         )
 
     def _linears(self):

@@ -66,6 +66,28 @@ def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
         assert split_k or f"__device__ int {kernel}_ring_bytes" in source, kernel
 
 
+def test_chain_gemv_splits_fit_their_rings():
+    """q|k|v and o split K until no warp has more groups than CHAIN_GEMV_GROUPS_PER_SPLIT, and their
+    rings hold that many, so every group of a split is a ring slot of its own; down_proj keeps the
+    warps-per-SM rule. The 7B on an H200 gets ten warps per tile for all three."""
+    from nanoqwen.backend_cuda import (CHAIN_GEMV_GROUPS_PER_SPLIT, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS,
+                                       gemv_splits, projection_splits)
+    from nanoqwen.cuda_build import macro_defaults
+    from nanoqwen.random_model import QWEN25_CODER_7B as c
+
+    depths = macro_defaults("gemv_int4.cu")
+    for projection, most in CHAIN_GEMV_GROUPS_PER_SPLIT.items():
+        assert int(depths[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]]) >= most, projection
+        for groups in (1, 2, 7, 12, 28, 47, 300):
+            splits = projection_splits(projection, 512, groups * 128, 132)
+            assert 1 <= splits <= GEMV_MAX_SPLITS
+            assert -(-groups // splits) <= most or splits == GEMV_MAX_SPLITS, (projection, groups, splits)
+    shapes = {"qkv": (c.q_dim + 2 * c.kv_dim, c.hidden_size), "o": (c.hidden_size, c.q_dim),
+              "down": (c.hidden_size, c.intermediate_size)}
+    assert {p: projection_splits(p, n, k, 132) for p, (n, k) in shapes.items()} == {"qkv": 10, "o": 10, "down": 10}
+    assert projection_splits("down", 3584, 18944, 132) == gemv_splits(3584, 18944, 132)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_the_step_timeline_adds_no_shared_memory(tmp_path):
     """Built with NQ_TRACE (tools/step_timeline.py), every decode kernel keeps its static shared

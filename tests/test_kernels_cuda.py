@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, RMS_CLUSTER,
-    CudaBackend, block_threads, fit_gemv_rings, gemv_launch, gemv_splits, persistent_blocks, planned_ring_bytes,
+    CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes, projection_splits,
 )
 
 ODD = ModelConfig(
@@ -166,6 +166,7 @@ GEMV_CASES = [  # config, kernel, what, rows (N), bias
 ]
 IN_FEATURES = {"gemv_int4_from_hidden": "hidden_size", "gemv_int4_from_q_dim": "q_dim",
                "gemv_int4_from_intermediate": "intermediate_size"}
+PROJECTION_OF = {"gemv_int4_from_hidden": "qkv", "gemv_int4_from_q_dim": "o", "gemv_int4_from_intermediate": "down"}
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
@@ -189,7 +190,7 @@ def test_gemv_int4_split_k(case, split_choice):
     qweight, scales = random_int4(rng, n, k)
     bias = rng.standard_normal(n, dtype=np.float32).astype(np.float16) * np.float16(0.1) if has_bias else None
     x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
-    splits = {"one": 1, "backend": gemv_splits(n, k, num_sms()),
+    splits = {"one": 1, "backend": projection_splits(PROJECTION_OF[name], n, k, num_sms()),
               "a block's most": min(k // 128, GEMV_MAX_SPLITS)}[split_choice]
     out = poisoned(n, cp.float32)
     function = kernel(config_name, name)

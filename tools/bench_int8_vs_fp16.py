@@ -66,6 +66,8 @@ SHAPES = [
     ("gate+up", 2 * C.intermediate_size, C.hidden_size, "hidden"),
     ("down", C.hidden_size, C.intermediate_size, "intermediate"),
 ]
+# shape -> the engine projection whose split-K rule Path B follows (q, k and v run as q|k|v does)
+PROJECTION_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "qkv": "qkv", "o": "o", "gate+up": "gate_up", "down": "down"}
 ROTATION_L2_MULTIPLE = 4  # the rotated weight copies fill this many L2 caches
 MIN_CALLS = 64  # calls per graph replay, at least
 MIN_BYTES_PER_REPLAY = 512 << 20  # and at least this many weight bytes streamed per replay
@@ -252,7 +254,7 @@ def path_b_kernels(cp):
         kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
                    for w in ("hidden", "q_dim", "intermediate")}
         kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")
-        for needed in ("gemv_splits", "DeviceLinear", "CudaBackend", "gemv_launch", "NULL"):
+        for needed in ("projection_splits", "DeviceLinear", "CudaBackend", "gemv_launch", "NULL"):
             getattr(backend_cuda, needed)
     except Exception as exc:  # not written yet, renamed, or does not compile
         return None, f"{type(exc).__name__}: {exc}"
@@ -265,10 +267,10 @@ class PathB:
     (it reads nothing of the backend but `kernels`), with the engine's split-K factor, on its own
     copy of the weights in the engine's tiled layout."""
 
-    def __init__(self, cp, path_b, width: str, qweight, scales, num_sms: int):
+    def __init__(self, cp, path_b, shape: str, width: str, qweight, scales, num_sms: int):
         bc = path_b.backend_cuda
         n, k = qweight.shape[0], qweight.shape[1] * 8
-        splits = bc.gemv_splits(n, k, num_sms, CONFIG.group_size)
+        splits = bc.projection_splits(PROJECTION_OF[shape], n, k, num_sms, CONFIG.group_size)
         self.linear = bc.DeviceLinear(qweight=tile_int4(qweight, xp=cp), scales=scales, bias=None, bias32=None,
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
@@ -317,7 +319,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
     if path_b:
         try:  # a Path B that does not fit this script is reported, not fatal
             with stream:
-                b = [PathB(cp, path_b, width, qw[i], sc[i], num_sms) for i in range(copies)]
+                b = [PathB(cp, path_b, name, width, qw[i], sc[i], num_sms) for i in range(copies)]
                 b[0].out.fill(np.nan)
                 b[0](xs[0])
         except Exception as exc:

@@ -8,9 +8,11 @@ after a 512-token prompt, for each combination of
                     assignments over the kernel's defaults, e.g. "down=6,gate_up=4"
     carve-outs      each GEMV's preferred share of each SM's shared memory capacity, in percent
                     (-1: the driver's choice), over backend_cuda.GEMV_CARVEOUT_PERCENT, e.g. "o=43"
-    warps per SM    the split-K target of backend_cuda.gemv_splits  (launch time)
-    groups per split the least input groups a split keeps           (launch time)
+    warps per SM    the split-K target of backend_cuda.gemv_splits, down_proj's rule (launch time)
+    groups per split the least input groups a split of it keeps              (launch time)
     gate+up splits  warps per 16-row tile of gemv_int4_gate_up_silu (launch time)
+    splits          a split-K GEMV's splits set outright, over what the two knobs above give it,
+                    e.g. "qkv=10,o=14" (launch time; up to 16, the warps of one block)
 The GEMVs are named qkv, o, down and gate_up. With the ring depth, the carve-out caps how many of
 a kernel's blocks an SM holds at once, printed from the occupancy API as blocks/SM: it decides
 where the blocks land when they start early, beside the kernel before them.
@@ -37,8 +39,9 @@ sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
-    GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, GEMV_KERNELS, GEMV_STAGES_MACROS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT,
-    CudaBackend, fit_gemv_rings, gemv_launch, gemv_splits, set_carveout,
+    CHAIN_GEMV_GROUPS_PER_SPLIT, GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, GEMV_KERNELS, GEMV_MAX_SPLITS,
+    GEMV_STAGES_MACROS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, CudaBackend, fit_gemv_rings, gemv_launch,
+    gemv_splits, projection_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
@@ -46,7 +49,7 @@ from nanoqwen.cuda_launch import StepKernel  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
 GEMVS = {**GEMV_KERNELS, "gate_up": "gemv_int4_gate_up_silu"}  # short name -> kernel
-KNOBS = ("stages", "carveouts", "warps_per_sm", "min_groups", "gate_up_splits")
+KNOBS = ("stages", "carveouts", "warps_per_sm", "min_groups", "gate_up_splits", "splits")
 
 
 def assignments(text: str) -> dict[str, int]:
@@ -58,6 +61,18 @@ def assignments(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"expected NAME=INTEGER with NAME one of {', '.join(GEMVS)}, got {item!r}")
         result[GEMVS[short]] = int(value)
     return result
+
+
+def variant_splits(config, num_sms: int, variant: dict) -> dict[str, int]:
+    """Split-K factor of each split-K GEMV (short name) in this variant: set outright, or the
+    engine's (`projection_splits`), with down_proj's warps per SM and least groups per split."""
+    c = config
+    shapes = {"qkv": (c.q_dim + 2 * c.kv_dim, c.hidden_size), "o": (c.hidden_size, c.q_dim),
+              "down": (c.hidden_size, c.intermediate_size)}
+    return {short: variant["splits"].get(GEMVS[short])
+            or (projection_splits(short, n, k, num_sms, c.group_size) if short in CHAIN_GEMV_GROUPS_PER_SPLIT
+                else gemv_splits(n, k, num_sms, c.group_size, variant["warps_per_sm"], variant["min_groups"]))
+            for short, (n, k) in shapes.items()}
 
 
 def blocks_per_sm(backend: CudaBackend, name: str, splits: int) -> int:
@@ -77,9 +92,10 @@ def use_variant(backend: CudaBackend, module, variant: dict) -> None:
         set_carveout(backend.kernels[name], {**GEMV_CARVEOUT_PERCENT, **variant["carveouts"]}[name])
         backend.gemv_ring_bytes[name] = fit_gemv_rings(backend.kernels[name], module, name)
     backend.gate_up_splits = variant["gate_up_splits"]
-    for linear in backend._linears():
-        linear.splits = gemv_splits(linear.out_features, linear.in_features, backend.num_sms, c.group_size,
-                                    variant["warps_per_sm"], variant["min_groups"])
+    splits = variant_splits(c, backend.num_sms, variant)
+    for layer in backend.layers:
+        for short in GEMV_KERNELS:
+            getattr(layer, short).splits = splits[short]
     backend._graph = None
     backend.forget_step_inputs()
 
@@ -94,9 +110,16 @@ def main(argv=None) -> int:
     parser.add_argument("--warps-per-sm", type=int, nargs="+", default=[GEMV_WARPS_PER_SM])
     parser.add_argument("--min-groups", type=int, nargs="+", default=[MIN_GROUPS_PER_SPLIT])
     parser.add_argument("--gate-up-splits", type=int, nargs="+", default=[GATE_UP_SPLITS])
+    parser.add_argument("--splits", type=assignments, nargs="+", default=[{}], metavar="NAME=SPLITS,...",
+                        help="split-K factors set outright (qkv, o, down; 1-16), one variant per argument")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args(argv)
+    for assigned in args.splits:
+        for name, value in assigned.items():
+            if name == GEMVS["gate_up"] or not 1 <= value <= GEMV_MAX_SPLITS:
+                short = next(s for s, kernel in GEMVS.items() if kernel == name)
+                parser.error(f"--splits sets qkv, o or down to 1..{GEMV_MAX_SPLITS} warps, got {short}={value}")
 
     model = load(args.model)
     c = model.config
@@ -130,10 +153,7 @@ def main(argv=None) -> int:
 
     rows = [{"stages": named(v["stages"]), "carveouts": named(v["carveouts"]), "warps_per_sm": v["warps_per_sm"],
              "min_groups": v["min_groups"], "gate_up_splits": v["gate_up_splits"],
-             "splits": {name: gemv_splits(n, k, backend.num_sms, c.group_size, v["warps_per_sm"], v["min_groups"])
-                        for name, (n, k) in (("qkv", (c.q_dim + 2 * c.kv_dim, c.hidden_size)),
-                                             ("o", (c.hidden_size, c.q_dim)),
-                                             ("down", (c.hidden_size, c.intermediate_size)))},
+             "splits": variant_splits(c, backend.num_sms, v),
              "blocks_per_sm": capacity[index], "ms_per_step": statistics.median(times[index]), "runs_ms": times[index],
              "max_logit_diff": logit_diff[index]}
             for index, v in enumerate(variants)]
