@@ -191,8 +191,11 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // in front still runs; with the tiled weights the step was fastest with 6 slots for gate+up and 4
 // for the split-K GEMVs (session 5), with two warps per gate+up tile 4 for all (session 7), and
 // timed one kernel at a time, 6 for down_proj's (session 8).
+// With AHEAD (q|k|v and o, whose warps take at most 3 groups each), a range that fits the ring is
+// requested whole before the wait and no slot is refilled: nothing of the weights is left to ask
+// for once x has arrived (3.5 us per decode step on an H200, session 13).
 // `ring` is this warp's own.
-template <int K, int TILES, int STAGES, bool STAGED>
+template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* tile_scales, const int (&scale_rows)[2],
@@ -204,6 +207,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   auto& x_ring = ring.x;
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
   const int count = group_end - group_begin;
+  // AHEAD: a range that fits the ring is requested whole before the wait, no slot refilled.
+  const bool all_ahead = AHEAD && count <= STAGES;
   unsigned short scale_ring[STAGES][TILES][2];  // not STAGED only (unused registers otherwise)
   // Row r's 64 bytes of a group sit at word ((r / 16 * GROUPS + group) * 16 + r % 16) * 16 of
   // the tiled weights (quant.tile_int4), and the lane's piece is 4 t words further: so each
@@ -258,10 +263,12 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
     if (u < count) NQ_FETCH_GROUP(u, u, false);
     copy_async_commit();  // possibly empty: the group count must not depend on the data
   }
+  if (all_ahead && count == STAGES) NQ_FETCH_GROUP(STAGES - 1, STAGES - 1, false);
   wait_for_previous_kernel();  // the weights above are no kernel's output; x is the previous one's
 #pragma unroll
-  for (int u = 0; u < STAGES - 1; ++u)
-    if (u < count && lane < X_PIECES_PER_GROUP) copy_async_16B(&x_ring[u][lane], x_source + u * NQ_GROUP_SIZE);
+  for (int u = 0; u < STAGES; ++u)
+    if ((u < STAGES - 1 || all_ahead) && u < count && lane < X_PIECES_PER_GROUP)
+      copy_async_16B(&x_ring[u][lane], x_source + u * NQ_GROUP_SIZE);
   copy_async_commit();
   copy_async_wait<0>();  // the prologue's groups, their x (and, STAGED, this thread's share of the scales)
   if constexpr (STAGED) __syncthreads();  // and every other thread's share: the block stages them together
@@ -271,7 +278,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       const int i = first + u;
       __syncwarp();  // every lane is done with the slot refilled next (x is read by all lanes)
       // Refill the slot that iteration i - 1 finished with, STAGES - 1 groups ahead.
-      if (i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES, true);
+      if (!all_ahead && i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES, true);
       copy_async_commit();
       copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
       __syncwarp();                   // and so have every other lane's (x)
@@ -348,7 +355,7 @@ __device__ __forceinline__ void add_splits(float (&split_sums)[MAX_SPLITS][TILES
 //   qweight uint32 [ceil(n_rows / 16), K/128, 16, 16] (quant.tile_int4), scales fp16 [n_rows, K/128],
 //   bias fp16 [n_rows] or null, x fp16 [K], y fp32 [n_rows]
 //   dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>), the warps' rings
-template <int K, int STAGES>
+template <int K, int STAGES, bool AHEAD>
 __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict__ qweight,
                                                   const unsigned short* __restrict__ scales,
                                                   const unsigned short* __restrict__ bias,
@@ -362,7 +369,7 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   const int unused[2] = {0, 0};
   float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, STAGES, false>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
+  int4_tile_dot<K, 1, STAGES, false, AHEAD>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
                                       (split + 1) * GROUPS / splits,
                                       reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split], acc);
   const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
@@ -376,18 +383,23 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
 // One kernel per input width, so that K (and the ring depth) is a compile-time constant in each;
 // NAME_ring_bytes, one warp's ring, is read by the host to size the launch.
 // grid (ceil(n_rows / 16)), block (32 splits, splits <= SPLIT_K_MAX_WARPS), splits rings of shared memory
-#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES)                                                               \
+#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES, AHEAD)                                                        \
   __device__ int NAME##_ring_bytes = sizeof(GemvRing<STAGES, 1>);                                          \
   extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows) {                                                                                   \
-    gemv_int4_split_k<K, STAGES>(qweight, scales, bias, x, y, n_rows);                                     \
+    gemv_int4_split_k<K, STAGES, AHEAD>(qweight, scales, bias, x, y, n_rows);                              \
   }
 
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES)
+// q|k|v and o request their warps' whole ranges before the wait (AHEAD); down_proj's 15 groups per
+// warp do not fit a ring. NQ_CHAIN_ALL_AHEAD=0 builds the ring-only form for A/B runs.
+#ifndef NQ_CHAIN_ALL_AHEAD
+#define NQ_CHAIN_ALL_AHEAD 1
+#endif
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, NQ_CHAIN_ALL_AHEAD)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, NQ_CHAIN_ALL_AHEAD)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
