@@ -78,11 +78,11 @@ GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_from_q_dim": 50
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
 # q|k|v and o sit on the step's chain of small kernels (chapter 9), where what a warp still has to
 # multiply after its wait is the kernel's time. So they split K until no warp has more than this
-# many groups: ten warps per tile at the 7B's 28 groups. Each warp's 3-deep ring (NQ_FROM_HIDDEN_STAGES,
-# NQ_FROM_Q_DIM_STAGES) asks for two of its groups before the wait, and three blocks' rings (3 x 38
-# KB) fit an SM at half the carve-out, so q|k|v's 288 tiles start in one wave. On an H200: 1.559-1.561 ms per step against 1.576-1.582 at
-# seven warps per tile with 4-deep rings; nine or eight warps, or fourteen for o, were slower
-# (results/step-lab-session13-h200.md).
+# many groups: ten warps per tile at the 7B's 28 groups. Each warp's range then fits its 3-deep ring
+# (NQ_FROM_HIDDEN_STAGES, NQ_FROM_Q_DIM_STAGES) and is requested whole before the wait, and three
+# blocks' rings (3 x 38 KB) fit an SM at half the carve-out, so q|k|v's 288 tiles start in one wave.
+# On an H200: 1.559-1.561 ms per step against 1.576-1.582 at seven warps per tile with 4-deep rings;
+# nine or eight warps, or fourteen for o, were slower (results/step-lab-session13-h200.md).
 CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 NULL = np.uint64(0)  # a null pointer kernel argument

@@ -34,8 +34,9 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, RMS_CLUSTER,
-    CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes, projection_splits,
+    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
+    RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes,
+    projection_splits,
 )
 
 ODD = ModelConfig(
@@ -166,7 +167,7 @@ GEMV_CASES = [  # config, kernel, what, rows (N), bias
 ]
 IN_FEATURES = {"gemv_int4_from_hidden": "hidden_size", "gemv_int4_from_q_dim": "q_dim",
                "gemv_int4_from_intermediate": "intermediate_size"}
-PROJECTION_OF = {"gemv_int4_from_hidden": "qkv", "gemv_int4_from_q_dim": "o", "gemv_int4_from_intermediate": "down"}
+PROJECTION_OF = {kernel: projection for projection, kernel in GEMV_KERNELS.items()}
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
