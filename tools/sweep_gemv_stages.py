@@ -11,7 +11,8 @@ after a 512-token prompt, for each combination of
     warps per SM    the split-K target of backend_cuda.gemv_splits, down_proj's rule (launch time)
     groups per split the least input groups a split of it keeps              (launch time)
     gate+up splits  warps per 16-row tile of gemv_int4_gate_up_silu (launch time)
-    splits          a split-K GEMV's splits set outright, over what the two knobs above give it,
+    splits          a split-K GEMV's splits set outright instead of the engine's choice
+                    (backend_cuda.projection_splits; down_proj's from the two knobs above),
                     e.g. "qkv=10,o=14" (launch time; up to 16, the warps of one block)
 The GEMVs are named qkv, o, down and gate_up. With the ring depth, the carve-out caps how many of
 a kernel's blocks an SM holds at once, printed from the occupancy API as blocks/SM: it decides
@@ -22,6 +23,7 @@ the first one's: equal bit for bit when the splits are the same (the ring depth 
 
     python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
     PYTHONPATH=. python3 tools/sweep_gemv_stages.py /tmp/q7b.nanoqwen --stages down=4 down=6 --json sweep.json
+    PYTHONPATH=. python3 tools/sweep_gemv_stages.py /tmp/q7b.nanoqwen --splits "" "qkv=9,o=9" --stages "" "qkv=2,o=2"
 """
 
 from __future__ import annotations
