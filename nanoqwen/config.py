@@ -63,6 +63,13 @@ class ModelConfig:
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) features of each projection the engine runs per layer, q, k, v stacked
+        and gate, up stacked."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"qkv": (self.q_dim + 2 * self.kv_dim, h), "o": (h, self.q_dim), "gate_up": (2 * i, h), "down": (h, i)}
+
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict, refusing anything but Qwen2.

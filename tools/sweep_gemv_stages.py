@@ -69,12 +69,10 @@ def variant_splits(config, num_sms: int, variant: dict) -> dict[str, int]:
     """Split-K factor of each split-K GEMV (short name) in this variant: set outright, or the
     engine's (`projection_splits`), with down_proj's warps per SM and least groups per split."""
     c = config
-    shapes = {"qkv": (c.q_dim + 2 * c.kv_dim, c.hidden_size), "o": (c.hidden_size, c.q_dim),
-              "down": (c.hidden_size, c.intermediate_size)}
     return {short: variant["splits"].get(GEMVS[short])
             or (projection_splits(short, n, k, num_sms, c.group_size) if short in CHAIN_GEMV_GROUPS_PER_SPLIT
                 else gemv_splits(n, k, num_sms, c.group_size, variant["warps_per_sm"], variant["min_groups"]))
-            for short, (n, k) in shapes.items()}
+            for short, (n, k) in c.projection_shapes.items() if short in GEMV_KERNELS}
 
 
 def blocks_per_sm(backend: CudaBackend, name: str, splits: int) -> int:
