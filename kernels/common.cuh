@@ -171,3 +171,29 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
     }
   }
 }
+
+// ---------------------------------------------------------------- RoPE and the KV cache slot
+// Shared by rope_write_kv (elementwise.cu) and the decode q|k|v GEMV that rotates its own rows
+// (gemv_int4.cu, gemv_int4_qkv_rope), so that both write the same bits.
+// Reference: ops_numpy.apply_rope (rotate_half: dim i pairs with i + head_dim/2).
+
+// cos and sin of position * inv_freq_i. The accurate sincosf at any position: its reduction of
+// large angles (up to 32768 radians here) keeps a 32-byte table in local memory, the stack frame
+// of both kernels in results/ptxas-report.txt.
+__device__ __forceinline__ void rope_cos_sin(int position, float inv_freq_i, float& c, float& s) {
+  sincosf(__fmul_rn((float)position, inv_freq_i), &s, &c);
+}
+
+// One half of a rotation pair: x is dim i (first) or dim i + head_dim/2, partner the other one.
+//   first:  x c - partner s        second: x c + partner s
+// Rounded the same way wherever it is computed: one product, then one fused multiply-add.
+__device__ __forceinline__ float rope_rotate(float x, float partner, float c, float s, bool first) {
+  return __fmaf_rn(x, c, __fmul_rn(first ? -partner : partner, s));
+}
+
+// Element `dim` of a token's K (which 0) or V (which 1) for KV head `kv_head` in one layer's pool
+//   kv_layer fp16 [num_pages, 2, NQ_NUM_KV_HEADS, NQ_PAGE_SIZE, NQ_HEAD_DIM]
+// at page `page`, row `slot` (position % NQ_PAGE_SIZE).
+__device__ __forceinline__ long long kv_index(long long page, int which, int kv_head, int slot, int dim) {
+  return (((page * 2 + which) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * (long long)NQ_HEAD_DIM + dim;
+}

@@ -51,12 +51,11 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
   // The position and the page table are the step's inputs, set before it began (by the host, or
   // by the previous step's argmax_select_next), never by a kernel before this one: read them and
   // compute the rotation while the projection still runs, so that after the wait only the
-  // projection's output is loaded.
+  // projection's output is loaded. Decode's fp16 path does all of this inside its q|k|v GEMV
+  // (gemv_int4_qkv_rope); this kernel serves prefill and the INT8 path.
   const int position = positions_base[0] + token;
   float c, s;
-  // The accurate sincosf at any position: its reduction of large angles (up to 32768 radians here)
-  // keeps a 32-byte table in local memory, the kernel's stack frame in results/ptxas-report.txt.
-  sincosf((float)position * inv_freq[i], &s, &c);
+  rope_cos_sin(position, inv_freq[i], c, s);
   const long long page = is_query ? 0 : page_table[position / NQ_PAGE_SIZE];
   wait_for_previous_kernel();  // qkv is the projection's output
 
@@ -69,7 +68,7 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
     v1 = qkv[v_first + i];
     v2 = qkv[v_first + i + NQ_HEAD_DIM / 2];
   }
-  const float rotated1 = x1 * c - x2 * s, rotated2 = x2 * c + x1 * s;
+  const float rotated1 = rope_rotate(x1, x2, c, s, true), rotated2 = rope_rotate(x2, x1, c, s, false);
 
   if (is_query) {
     float* q = q_out + (long long)token * NQ_Q_DIM + head * NQ_HEAD_DIM;
@@ -78,9 +77,8 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
     return;
   }
   const int slot = position % NQ_PAGE_SIZE;
-  // [page][K or V][kv_head][slot][dim]
-  unsigned short* k = kv_layer + (((page * 2 + 0) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
-  unsigned short* v = kv_layer + (((page * 2 + 1) * NQ_NUM_KV_HEADS + kv_head) * NQ_PAGE_SIZE + slot) * NQ_HEAD_DIM;
+  unsigned short* k = kv_layer + kv_index(page, 0, kv_head, slot, 0);
+  unsigned short* v = kv_layer + kv_index(page, 1, kv_head, slot, 0);
   k[i] = float_to_half(rotated1);
   k[i + NQ_HEAD_DIM / 2] = float_to_half(rotated2);
   v[i] = float_to_half(v1);

@@ -401,6 +401,83 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, NQ_
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, NQ_CHAIN_ALL_AHEAD)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
 
+// Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
+// and rope_write_kv (elementwise.cu) do one after the other, in one kernel.
+// Reference: ops_numpy.apply_rope on q and k of int4_linear(x, qkv), then ops_numpy.write_kv.
+//
+// RoPE rotates dim i of a head with dim i + head_dim/2, which a tile of 16 consecutive rows never
+// holds together. So this kernel's blocks take their 16 rows in another order: block b covers 8
+// dims of one head, [d, d + 8) with d = 8 (b % (head_dim / 16)), and their 8 partners
+// [d + head_dim/2, d + head_dim/2 + 8). In the MMA's layout lane (g, t) then multiplies row g and
+// row g + 8 of its tile, a rotation pair; after the split sums thread m < 16 of the block holds
+// row m and meets its partner, thread m ^ 8, in one shuffle. No weight moves: int4_tile_dot
+// fetches any row's pieces from the tiled layout, and both halves of the tile are still 512-byte
+// runs. The rows keep their order in the output: q heads go rotated into q_out, K rotated and V
+// as they are, in fp16, into the token's page. The kernel that came after (rope_write_kv) was a
+// launch and a round trip to L2 on the step's chain of small kernels (chapter 9).
+// grid (NQ_QKV_DIM / 16), block (32 splits); qweight, scales, bias as gemv_int4_from_hidden's for
+// the stacked q|k|v rows; positions int32 [1] (the step's position); inv_freq fp32 [D/2];
+// page_table int32; kv_layer fp16 [pages, 2, KVH, 16, D]; q_out fp32 [Q_DIM]
+constexpr int ROPE_HALF = NQ_HEAD_DIM / 2;
+constexpr int ROPE_PAIRS_PER_TILE = TILE_ROWS / 2;
+static_assert(ROPE_HALF % ROPE_PAIRS_PER_TILE == 0, "gemv_int4_qkv_rope needs head_dim a multiple of 16");
+constexpr int ROPE_TILES_PER_HEAD = ROPE_HALF / ROPE_PAIRS_PER_TILE;
+using QkvRopeRing = GemvRing<NQ_FROM_HIDDEN_STAGES, 1>;
+__device__ int gemv_int4_qkv_rope_ring_bytes = sizeof(QkvRopeRing);
+
+// The dim in its head of MMA row m (0..15) of a block whose first dim is first_dim.
+__device__ __forceinline__ int rope_tile_dim(int first_dim, int m) {
+  return first_dim + m % ROPE_PAIRS_PER_TILE + (m >= ROPE_PAIRS_PER_TILE ? ROPE_HALF : 0);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
+gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                   const unsigned short* __restrict__ bias, const unsigned short* x,
+                   const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                   const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
+                   float* __restrict__ q_out) {
+  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
+  let_next_kernel_launch();
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
+  const int first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  const int head_row = head_slot * NQ_HEAD_DIM;
+  const int rows[1][2] = {{head_row + rope_tile_dim(first_dim, lane / 4), head_row + rope_tile_dim(first_dim, lane / 4 + 8)}};
+  const int unused[2] = {0, 0};
+  // Thread m < 16 finishes row m. Its bias, rotation and page are no kernel's output (the position
+  // and the page table are the step's inputs): all of them before the wait, inside int4_tile_dot.
+  const bool finishes = threadIdx.x < TILE_ROWS;
+  const int dim = rope_tile_dim(first_dim, threadIdx.x % TILE_ROWS);
+  const int position = positions[0];
+  float c = 1.0f, s = 0.0f;
+  long long page = 0;
+  if (finishes) {
+    rope_cos_sin(position, inv_freq[dim % ROPE_HALF], c, s);
+    if (head_slot >= NQ_NUM_HEADS) page = page_table[position / NQ_PAGE_SIZE];
+  }
+  const float start[1] = {finishes && bias != nullptr ? half_to_float(bias[head_row + dim]) : 0.0f};
+  float acc[1][2] = {{0.0f, 0.0f}};
+  int4_tile_dot<NQ_HIDDEN, 1, NQ_FROM_HIDDEN_STAGES, false, NQ_CHAIN_ALL_AHEAD>(
+      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
+      reinterpret_cast<QkvRopeRing*>(gemv_shared)[split], acc);
+  float total[1] = {0.0f};
+  add_splits(split_sums, acc, start, total);
+  if (split != 0) return;
+  const float partner = __shfl_xor_sync(FULL_MASK, total[0], ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
+  if (!finishes) return;
+  const bool first = threadIdx.x < ROPE_PAIRS_PER_TILE;  // dim i, not i + head_dim/2
+  const float rotated = rope_rotate(total[0], partner, c, s, first);
+  if (head_slot < NQ_NUM_HEADS) {
+    q_out[head_row + dim] = rotated;
+    return;
+  }
+  const int kv_slot = head_slot - NQ_NUM_HEADS, slot = position % NQ_PAGE_SIZE;
+  const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
+  kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, slot, dim)] =
+      float_to_half(is_key ? rotated : total[0]);
+}
+
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
 // qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]). Block `tile` takes the

@@ -10,8 +10,8 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
     embed_tokens                                   state.token -> residual (fp32)
     per layer:
       add_rmsnorm_cluster  residual += down of the layer before; normed = norm(residual)
-      gemv_int4_from_hidden    normed -> q|k|v (fp32, + bias)                  split K in the block
-      rope_write_kv        q|k|v -> q (fp32); K, V (fp16) into the cache at state.position
+      gemv_int4_qkv_rope   normed -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16) into the
+                           cache at state.position                          split K in the block
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
       gemv_int4_from_q_dim     attn -> o (fp32)                                split K in the block
       add_rmsnorm_cluster  residual += o; normed = norm(residual)
@@ -20,7 +20,8 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
     add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
-add_rmsnorm takes one block per row.)
+add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
+the plain gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
 
 Every buffer is allocated in `__init__`; the per-step values (token, position, sequence length,
 page table) live in one device int32 array, `state`, which the host sets with one copy and
@@ -73,8 +74,8 @@ GEMV_WARPS_PER_SM = 16
 # faster than the same two blocks per SM in a 196 KB configuration, most likely because an SM can
 # change its split of L1 and shared memory only when it is empty (results/step-lab-session8-h200.md,
 # 2026-12-01).
-GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_from_q_dim": 50, "gemv_int4_from_intermediate": 100,
-                         "gemv_int4_gate_up_silu": -1}
+GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, "gemv_int4_qkv_rope": 50, "gemv_int4_from_q_dim": 50,
+                         "gemv_int4_from_intermediate": 100, "gemv_int4_gate_up_silu": -1}
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
 # q|k|v and o sit on the step's chain of small kernels (chapter 9), where what a warp still has to
 # multiply after its wait is the kernel's time. So they split K until no warp has more than this
@@ -91,13 +92,16 @@ ACTIVATIONS = ("fp16", "int8")
 # after them (prefill's activations for a PREFILL_CHUNK of the 7B take ~0.3 GB).
 PREFILL_CACHE_HEADROOM_BYTES = 2 * 2**30
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
+# Decode's fp16 q|k|v: gemv_int4_from_hidden's work with RoPE and the cache write in its epilogue.
+QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
 # GEMV kernel -> the macro of kernels/gemv_int4.cu that sets its ring depth (tools/sweep_gemv_stages.py sets them)
-GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", "gemv_int4_from_q_dim": "NQ_FROM_Q_DIM_STAGES",
+GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", QKV_ROPE_KERNEL: "NQ_FROM_HIDDEN_STAGES",
+                      "gemv_int4_from_q_dim": "NQ_FROM_Q_DIM_STAGES",
                       "gemv_int4_from_intermediate": "NQ_FROM_INTERMEDIATE_STAGES",
                       "gemv_int4_gate_up_silu": "NQ_GATE_UP_STAGES"}
 # GEMV kernel -> the most warps (splits) a block holds; each warp has a ring of shared memory, whose
 # size the module's `__device__ int <kernel>_ring_bytes` holds.
-GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in GEMV_KERNELS.values()},
+GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in (*GEMV_KERNELS.values(), QKV_ROPE_KERNEL)},
                   "gemv_int4_gate_up_silu": GATE_UP_MAX_SPLITS}
 CUDA_R_16F, CUDA_R_32F = 2, 0  # cudaDataType values
 
@@ -282,6 +286,9 @@ class CudaBackend:
         self.activations = activations
         self.model = model
         self.config = c = model.config
+        from .cuda_attention import check_config
+
+        check_config(c)  # before the compile, whose static_asserts would say it less plainly
         self.num_pages = int(num_pages)
         self.max_seq_len = min(c.max_position_embeddings, self.num_pages * PAGE_SIZE)
         self.max_pages_per_seq = pages_needed(self.max_seq_len)
@@ -292,7 +299,8 @@ class CudaBackend:
         self.kernels = {
             name: StepKernel(module.get_function(name), name)
             for name in (
-                "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "gemv_int4_from_hidden", "gemv_int4_from_q_dim",
+                "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "gemv_int4_from_hidden", QKV_ROPE_KERNEL,
+                "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
             )
@@ -321,6 +329,7 @@ class CudaBackend:
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
         self.use_graph = use_graph
+        self._rope_in_qkv = activations == "fp16"
         self._pdl = bool(pdl)
         self._graph = None  # captured at the first graph decode
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
@@ -442,6 +451,19 @@ class CudaBackend:
             (qkv, positions_base, self.inv_freq, self.page_table, self._kv_layers[layer], q_out),
         )
 
+    def _qkv_rope(self, layer: int) -> None:
+        """Decode's q|k|v of `normed`, RoPE'd: q into `q`, K and V into the layer's cache at the
+        step's position (gemv_int4_qkv_rope)."""
+        linear = self.layers[layer].qkv
+        grid, block, shared_mem = gemv_launch(QKV_ROPE_KERNEL, linear.out_features, linear.splits,
+                                              self.gemv_ring_bytes[QKV_ROPE_KERNEL])
+        self.kernels[QKV_ROPE_KERNEL](
+            grid, block,
+            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, self.normed, self.position,
+             self.inv_freq, self.page_table, self._kv_layers[layer], self.q),
+            shared_mem=shared_mem,
+        )
+
     def _lm_head(self) -> None:
         self.kernels["lm_head_logits"](
             (self.lm_head_blocks,), (LM_HEAD_THREADS,),
@@ -477,7 +499,9 @@ class CudaBackend:
         """Kernel launches of one decode step, counting each attention.decode call as the
         number of launches it reports (`launches_per_decode`, default 1)."""
         attention = getattr(self.attention, "launches_per_decode", 1)
-        per_layer = 7 if self.activations == "fp16" else 12  # Path A: a quantize launch per projection, SwiGLU apart
+        # Path B: norm, q|k|v (+ RoPE unless rope_in_qkv is off), o, norm, gate+up, down; Path A
+        # adds a quantize launch per projection and SwiGLU apart
+        per_layer = (6 if self.rope_in_qkv else 7) if self.activations == "fp16" else 12
         return 1 + self.config.num_layers * (per_layer + attention) + 3
 
     def decode_step_launches(self, stream) -> int:
@@ -493,8 +517,11 @@ class CudaBackend:
             down = None  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
                 self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
-                self._project(i, "qkv", self.normed, self.qkv_out)
-                self._rope_write_kv(self.qkv_out, self.position, i, self.q, 1)
+                if self.rope_in_qkv:
+                    self._qkv_rope(i)
+                else:
+                    self._project(i, "qkv", self.normed, self.qkv_out)
+                    self._rope_write_kv(self.qkv_out, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
                 self._project(i, "o", self.attn_out, self.o_out)
@@ -552,6 +579,19 @@ class CudaBackend:
     def pdl(self, enabled: bool) -> None:
         if bool(enabled) != self._pdl:
             self._pdl = bool(enabled)
+            self._graph = None  # captured again, the other way, at the next graph decode
+
+    @property
+    def rope_in_qkv(self) -> bool:
+        """Whether decode's q|k|v GEMV rotates its rows and writes the cache itself
+        (gemv_int4_qkv_rope, the fp16 default); off, rope_write_kv does that after the plain GEMV,
+        as with INT8 activations. Both write the same bits (tests/test_kernels_cuda.py)."""
+        return self._rope_in_qkv
+
+    @rope_in_qkv.setter
+    def rope_in_qkv(self, enabled: bool) -> None:
+        if bool(enabled) != self._rope_in_qkv:
+            self._rope_in_qkv = bool(enabled)
             self._graph = None  # captured again, the other way, at the next graph decode
 
     def forget_step_inputs(self) -> None:

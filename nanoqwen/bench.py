@@ -47,15 +47,17 @@ def int4_bytes(out_features: int, in_features: int, group_size: int) -> int:
     return out_features * in_features // 2 + out_features * in_features // group_size * 2
 
 
-def kernel_bytes(config: ModelConfig, context: int) -> dict[str, int]:
-    """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte."""
+def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True) -> dict[str, int]:
+    """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte:
+    the step's kernels with RoPE in the q|k|v GEMV (the fp16 engine's default), or, not
+    `rope_in_qkv`, with the plain GEMV and rope_write_kv (CudaBackend.rope_in_qkv)."""
     L, H, I, g = config.num_layers, config.hidden_size, config.intermediate_size, config.group_size
     qkv = config.q_dim + 2 * config.kv_dim
+    qkv_bytes = L * (int4_bytes(qkv, H, g) + 2 * qkv)  # + q, k, v biases
     return {
         "embed_tokens": 2 * H,  # one row of the embedding
         "add_rmsnorm_cluster": (2 * L + 1) * 2 * H,  # a norm weight each: 2 per layer + the final norm
-        "gemv_int4_from_hidden": L * (int4_bytes(qkv, H, g) + 2 * qkv),  # + q, k, v biases
-        "rope_write_kv": 0,
+        **({"gemv_int4_qkv_rope": qkv_bytes} if rope_in_qkv else {"gemv_int4_from_hidden": qkv_bytes, "rope_write_kv": 0}),
         "attention_decode": L * 2 * config.kv_dim * 2 * context,  # K and V of every cached position
         "gemv_int4_from_q_dim": L * int4_bytes(H, config.q_dim, g),
         "gemv_int4_gate_up_silu": L * int4_bytes(2 * I, H, g),

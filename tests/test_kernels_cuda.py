@@ -35,7 +35,7 @@ pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
-    RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes,
+    QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes,
     projection_splits,
 )
 
@@ -286,6 +286,67 @@ def test_rope_write_kv(config_name, start, count):
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("position, split_choice", [(13, "backend"), (16, "one"), (4090, "a block's most")])
+def test_gemv_int4_qkv_rope_writes_what_the_two_kernels_write(config_name, position, split_choice):
+    """Decode's fused q|k|v + RoPE + cache write against the plain GEMV followed by rope_write_kv,
+    bit for bit, and both against the float64 oracle: inside a tail page, on a page's first row,
+    and near the end of the context."""
+    c = CONFIGS[config_name]
+    h, n = c.hidden_size, c.q_dim + 2 * c.kv_dim
+    rng = np.random.default_rng([position, n, len(split_choice)])
+    qweight, scales = random_int4(rng, n, h)
+    bias = rng.standard_normal(n, dtype=np.float32).astype(np.float16) * np.float16(0.1)
+    x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
+    num_pages = 8
+    page_table = rng.integers(0, num_pages, size=position // PAGE_SIZE + 1).astype(np.int32)
+    splits = {"one": 1, "backend": projection_splits("qkv", n, h, num_sms()),
+              "a block's most": min(h // 128, GEMV_MAX_SPLITS)}[split_choice]
+    weights = (*device_tiled(qweight, scales), cp.asarray(bias))
+    step = (cp.asarray([position], dtype=cp.int32), cp.asarray(ops.rope_inv_freq(c.head_dim, c.rope_theta)),
+            cp.asarray(page_table))
+
+    def launch_gemv(name, arguments):
+        function = kernel(config_name, name)
+        grid, block, shared_mem = gemv_launch(name, n, splits, fit_gemv_rings(function, module(config_name), name))
+        function(grid, block, arguments, shared_mem=shared_mem)
+
+    fused_kv = poisoned((num_pages, 2, c.num_kv_heads, PAGE_SIZE, c.head_dim), cp.float16)
+    fused_q = poisoned(c.q_dim, cp.float32)
+    launch_gemv(QKV_ROPE_KERNEL, (*weights, cp.asarray(x), *step, fused_kv, fused_q))
+    qkv = poisoned(n, cp.float32)
+    launch_gemv("gemv_int4_from_hidden", (*weights, cp.asarray(x), qkv, np.int32(n)))
+    kv, q = poisoned(fused_kv.shape, cp.float16), poisoned(c.q_dim, cp.float32)
+    kernel(config_name, "rope_write_kv")((1, c.num_heads + c.num_kv_heads), (block_threads(c)["rope_write_kv"],),
+                                         (qkv, step[0], step[1], step[2], kv, q))
+    np.testing.assert_array_equal(fused_q.get().view(np.uint32), q.get().view(np.uint32))
+    np.testing.assert_array_equal(fused_kv.get().view(np.uint16), kv.get().view(np.uint16))  # NaN where unwritten
+
+    expected, bound = int4_reference(qweight, scales, bias, x, np.arange(n))
+    # A rotated value mixes a row with its partner half a head away: it carries both rows' bounds.
+    halves = bound.reshape(-1, 2, c.head_dim // 2)
+    bound = (halves + halves[:, ::-1]).reshape(-1)
+    positions = np.array([position])
+
+    def heads(values, first, count):  # [1 token, count heads, head_dim]
+        return values[first : first + count * c.head_dim].reshape(1, count, c.head_dim)
+
+    expected_q = ops.apply_rope(heads(expected, 0, c.num_heads), positions, c.rope_theta).reshape(-1)
+    error = np.abs(fused_q.get() - expected_q)
+    assert (error <= DOT_RTOL * bound[: c.q_dim] + 1e-6).all(), f"q: worst error {error.max():.3g}"
+    expected_kv = np.full((1, *fused_kv.shape), np.nan, dtype=np.float16)
+    kv_bound = np.zeros(expected_kv.shape, dtype=np.float32)
+    for pool, values in ((expected_kv, expected), (kv_bound, bound)):
+        k = heads(values, c.q_dim, c.num_kv_heads)
+        if pool is expected_kv:
+            k = ops.apply_rope(k, positions, c.rope_theta)
+        ops.write_kv(pool, 0, k, heads(values, c.q_dim + c.kv_dim, c.num_kv_heads), positions, page_table)
+    result = fused_kv.get()
+    written = ~np.isnan(expected_kv[0])
+    np.testing.assert_array_equal(~np.isnan(result), written, err_msg="K/V written outside the token's slots")
+    assert_half_close(result[written], expected_kv[0][written], extra=DOT_RTOL * kv_bound[0][written])
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_silu_mul_rows(config_name):
     c = CONFIGS[config_name]
     rng = np.random.default_rng(5)
@@ -485,6 +546,30 @@ def test_prefill_from_kept_weights_equals_prefill_from_expanded_ones(tiny_model)
     np.testing.assert_array_equal(results["cache"][0], results["expand"][0])
     np.testing.assert_array_equal(results["cache"][1], results["expand"][1])
     assert CudaBackend(tiny_model, 8).prefill_weights == "cache", "a tiny model always fits: auto keeps the copies"
+
+
+def test_rope_in_the_qkv_gemv_changes_no_bit_of_a_decode_step(tiny_model):
+    """Decode's fused q|k|v + RoPE kernel (the fp16 default) against the plain GEMV followed by
+    rope_write_kv: the same logits and the same cache, bit for bit, over steps that fill a tail
+    page and cross into the next, and one launch fewer per layer."""
+    c = tiny_model.config
+    rng = np.random.default_rng(6)
+    page_table = rng.permutation(8)[:4].astype(np.int32)
+    prompt = rng.integers(0, c.vocab_size, 13)
+    runs = {}
+    for fused in (True, False):
+        gpu = CudaBackend(tiny_model, 8)
+        assert gpu.rope_in_qkv  # the fp16 default
+        gpu.rope_in_qkv = fused
+        token, logits = int(np.argmax(gpu.prefill(prompt, 0, page_table))), []
+        for position in range(13, 20):
+            logits.append(gpu.decode(token, position, page_table))
+            token = int(np.argmax(logits[-1]))
+        runs[fused] = (np.array(logits), gpu.kv_pool.get(), gpu.launches_per_token)
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    np.testing.assert_array_equal(runs[True][1].view(np.uint16), runs[False][1].view(np.uint16))
+    assert runs[False][2] - runs[True][2] == c.num_layers
+    assert not CudaBackend(tiny_model, 8, activations="int8").rope_in_qkv, "Path A keeps rope_write_kv"
 
 
 def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):

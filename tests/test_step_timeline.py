@@ -16,9 +16,10 @@ import step_timeline  # noqa: E402
 from nanoqwen.bench import READ_BANDWIDTH, kernel_bytes  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
-LAYER = ["add_rmsnorm_cluster", "gemv_int4_from_hidden", "rope_write_kv", "paged_attention_decode",
-         "paged_attention_combine", "gemv_int4_from_q_dim", "add_rmsnorm_cluster", "gemv_int4_gate_up_silu",
-         "gemv_int4_from_intermediate"]
+LAYER = ["add_rmsnorm_cluster", "gemv_int4_qkv_rope", "paged_attention_decode", "paged_attention_combine",
+         "gemv_int4_from_q_dim", "add_rmsnorm_cluster", "gemv_int4_gate_up_silu", "gemv_int4_from_intermediate"]
+# The layer with RoPE in a launch of its own (CudaBackend.rope_in_qkv off, INT8 activations)
+LAYER_ROPE_APART = [*LAYER[:1], "gemv_int4_from_hidden", "rope_write_kv", *LAYER[2:]]
 
 
 def step_names(config) -> list[str]:
@@ -70,7 +71,18 @@ def test_floors_are_the_kernels_bytes_per_launch(records):
     assert by_kernel["gemv_int4_gate_up_silu"]["floor_us_per_launch"] == pytest.approx(gate_up)
     assert by_kernel["paged_attention_decode"]["floor_us_per_launch"] == pytest.approx(
         budget["attention_decode"] / config.num_layers / READ_BANDWIDTH * 1e6)
+    qkv = budget["gemv_int4_qkv_rope"] / config.num_layers / READ_BANDWIDTH * 1e6
+    assert by_kernel["gemv_int4_qkv_rope"]["floor_us_per_launch"] == pytest.approx(qkv)
+
+    # The same step with RoPE apart: the plain GEMV reads q|k|v's bytes, rope_write_kv none of them.
+    names = ["embed_tokens", *LAYER_ROPE_APART * config.num_layers, *names[-3:]]
+    shares = np.full((1, len(names)), 2_000)
+    released = np.cumsum(shares, axis=1)
+    rows = step_timeline.summarize(config, names, released - 500, released, released[:, -1] + 2_000.0)["rows"]
+    by_kernel = {r["kernel"]: r for r in rows}
+    assert by_kernel["gemv_int4_from_hidden"]["floor_us_per_launch"] == pytest.approx(qkv)
     assert by_kernel["rope_write_kv"]["floor_us_per_launch"] is None  # it reads nothing of the byte floor
+    assert sum(kernel_bytes(config, 513).values()) == sum(kernel_bytes(config, 513, rope_in_qkv=False).values())
 
 
 class _RecordedAttention:

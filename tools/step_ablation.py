@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen.backend_cuda import GEMV_KERNELS, CudaBackend  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_KERNELS, QKV_ROPE_KERNEL, CudaBackend  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import (  # noqa: E402
     TIMING_STEPS, prompted_backend, report_step_timings, step_launch_names, time_decode_steps,
@@ -34,7 +34,7 @@ from nanoqwen.loader import load  # noqa: E402
 GROUPS = {
     "gate+up GEMV (SwiGLU fused)": ["gemv_int4_gate_up_silu"],
     "down GEMV": [GEMV_KERNELS["down"]],
-    "q|k|v GEMV": [GEMV_KERNELS["qkv"]],
+    "q|k|v GEMV": [GEMV_KERNELS["qkv"], QKV_ROPE_KERNEL],  # with RoPE, where the engine fuses it
     "o GEMV": [GEMV_KERNELS["o"]],
     "attention": ["attention"],
     "add_rmsnorm": ["add_rmsnorm_cluster"],
@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     model = load(args.model)
     backend, page_table = prompted_backend(model)
 
-    variants = {"whole step": []} | {f"without {group}": names for group, names in GROUPS.items()}
+    variants = {"whole step": []} | {f"without {group}": names for group, names in GROUPS.items()
+                                     if launches_of(backend, names)}  # rope_write_kv: only with rope_in_qkv off
     graphs = {}
     for variant, names in variants.items():
         backend._graph = None  # capture anew, without `names`

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_KERNELS  # noqa: E402
+from nanoqwen.backend_cuda import GEMV_KERNELS, QKV_ROPE_KERNEL  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import (  # noqa: E402
     READ_BANDWIDTH, TIMING_STEPS, bytes_per_token, kernel_bytes, prompted_backend, step_launch_names,
@@ -43,6 +43,7 @@ from nanoqwen.bench import (  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
+          QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE",
           GEMV_KERNELS["o"]: "o GEMV", "paged_attention_decode": "attention (split)", "paged_attention_combine":
           "attention (combine)", "add_rmsnorm_cluster": "add_rmsnorm", "rope_write_kv": "rope_write_kv",
           "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
@@ -125,7 +126,8 @@ def summarize(config, names: list[str], start, released, step_ns) -> dict:
         entry["launches_per_step"] += 1
         entry["share_us"].extend((shares[:, k] / 1e3).tolist())
         entry["head_start_us"].extend((head_starts[:, k] / 1e3).tolist())
-    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1)  # the timed step reads 513 positions
+    # the timed step reads 513 positions; RoPE has a launch of its own only where the q|k|v GEMV does not do it
+    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1, rope_in_qkv="rope_write_kv" not in names)
     floor_bytes["paged_attention_decode"] = floor_bytes.pop("attention_decode")
     rows = []
     for name, entry in per_kernel.items():
