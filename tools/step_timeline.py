@@ -141,9 +141,10 @@ def summarize(config, names: list[str], start, released, step_ns) -> dict:
         })
     rows.sort(key=lambda r: -r["share_us_per_step"])
     layer_begins = names.index("add_rmsnorm_cluster") if "add_rmsnorm_cluster" in names else None  # layer 0's input norm
+    per_layer = (len(names) - 4) // config.num_layers  # but the embedding, the final norm, lm_head and argmax
     one_layer = [{"kernel": names[k], "label": LABELS.get(names[k], names[k]),
                   "share_us": float(np.mean(shares[:, k]) / 1e3), "head_start_us": float(np.mean(head_starts[:, k]) / 1e3)}
-                 for k in range(layer_begins, layer_begins + 9)] if layer_begins is not None else []
+                 for k in range(layer_begins, layer_begins + per_layer)] if layer_begins is not None else []
     clock = np.unique(np.diff(np.sort(released.reshape(-1))))
     return {"rows": rows, "layer_0": one_layer, "step_us": float(np.median(step_ns) / 1e3),
             "shares_sum_us": float(np.median(shares.sum(axis=1)) / 1e3),
