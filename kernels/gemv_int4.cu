@@ -348,36 +348,50 @@ __device__ __forceinline__ void add_splits(float (&split_sums)[MAX_SPLITS][TILES
   }
 }
 
-// Block `tile` computes rows [16 tile, 16 tile + 16) of y = W x (+ bias): its warp `split` of
-// `splits` (the block's warps) multiplies input groups [split G / splits, (split + 1) G / splits)
-// into its own ring, and after one barrier the block's first 16 threads add the warps' sums in
-// split order, split 0 with the bias, and write the rows.
+// One 16-row tile of a split-K GEMV: warp `split` of the block's `splits` warps multiplies input
+// groups [split G / splits, (split + 1) G / splits) of the rows `rows` (lane (g, t): rows[0][0] and
+// rows[0][1], as int4_tile_dot takes them) into its own ring, and after one barrier thread m < 16
+// of the block returns MMA row m's total, begun from start() (its bias) and added in split order.
+// start is called after the weights are in, so that a kernel that has no use for its value before
+// then does not hold it in a register through the loop. Every thread of the block calls it.
+// dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>)
+template <int K, int STAGES, bool AHEAD, typename Start>
+__device__ __forceinline__ float split_k_tile_row(const unsigned int* __restrict__ qweight,
+                                                  const unsigned short* __restrict__ scales, const unsigned short* x,
+                                                  const int (&rows)[1][2], Start start) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE;
+  const int unused[2] = {0, 0};
+  float acc[1][2] = {{0.0f, 0.0f}};
+  int4_tile_dot<K, 1, STAGES, false, AHEAD>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
+                                            (split + 1) * GROUPS / splits,
+                                            reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split], acc);
+  const float starts[1] = {start()};
+  float total[1] = {0.0f};
+  add_splits(split_sums, acc, starts, total);
+  return total[0];
+}
+
+// Block `tile` computes rows [16 tile, 16 tile + 16) of y = W x (+ bias) with split_k_tile_row.
 //   qweight uint32 [ceil(n_rows / 16), K/128, 16, 16] (quant.tile_int4), scales fp16 [n_rows, K/128],
 //   bias fp16 [n_rows] or null, x fp16 [K], y fp32 [n_rows]
-//   dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>), the warps' rings
 template <int K, int STAGES, bool AHEAD>
 __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict__ qweight,
                                                   const unsigned short* __restrict__ scales,
                                                   const unsigned short* __restrict__ bias,
                                                   const unsigned short* x, float* __restrict__ y, int n_rows) {
-  constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
   let_next_kernel_launch();
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int lane = threadIdx.x % WARP_SIZE;
   const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
   // Rows past the end (n_rows not a multiple of 16) read the last row and are not written.
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
-  const int unused[2] = {0, 0};
-  float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<K, 1, STAGES, false, AHEAD>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
-                                      (split + 1) * GROUPS / splits,
-                                      reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split], acc);
   const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
   const bool writes = threadIdx.x < TILE_ROWS && row < n_rows;
-  const float start[1] = {writes && bias != nullptr ? half_to_float(bias[row]) : 0.0f};
-  float total[1];
-  add_splits(split_sums, acc, start, total);
-  if (writes) y[row] = total[0];
+  const float total = split_k_tile_row<K, STAGES, AHEAD>(qweight, scales, x, rows, [=] {
+    return writes && bias != nullptr ? half_to_float(bias[row]) : 0.0f;
+  });
+  if (writes) y[row] = total;
 }
 
 // One kernel per input width, so that K (and the ring depth) is a compile-time constant in each;
@@ -422,8 +436,7 @@ constexpr int ROPE_HALF = NQ_HEAD_DIM / 2;
 constexpr int ROPE_PAIRS_PER_TILE = TILE_ROWS / 2;
 static_assert(ROPE_HALF % ROPE_PAIRS_PER_TILE == 0, "gemv_int4_qkv_rope needs head_dim a multiple of 16");
 constexpr int ROPE_TILES_PER_HEAD = ROPE_HALF / ROPE_PAIRS_PER_TILE;
-using QkvRopeRing = GemvRing<NQ_FROM_HIDDEN_STAGES, 1>;
-__device__ int gemv_int4_qkv_rope_ring_bytes = sizeof(QkvRopeRing);
+__device__ int gemv_int4_qkv_rope_ring_bytes = sizeof(GemvRing<NQ_FROM_HIDDEN_STAGES, 1>);
 
 // The dim in its head of MMA row m (0..15) of a block whose first dim is first_dim.
 __device__ __forceinline__ int rope_tile_dim(int first_dim, int m) {
@@ -436,15 +449,12 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
                    const int* __restrict__ positions, const float* __restrict__ inv_freq,
                    const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
                    float* __restrict__ q_out) {
-  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
   let_next_kernel_launch();
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
   const int first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
   const int head_row = head_slot * NQ_HEAD_DIM;
   const int rows[1][2] = {{head_row + rope_tile_dim(first_dim, lane / 4), head_row + rope_tile_dim(first_dim, lane / 4 + 8)}};
-  const int unused[2] = {0, 0};
   // Thread m < 16 finishes row m. Its bias, rotation and page are no kernel's output (the position
   // and the page table are the step's inputs): all of them before the wait, inside int4_tile_dot.
   const bool finishes = threadIdx.x < TILE_ROWS;
@@ -456,18 +466,14 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
     rope_cos_sin(position, inv_freq[dim % ROPE_HALF], c, s);
     if (head_slot >= NQ_NUM_HEADS) page = page_table[position / NQ_PAGE_SIZE];
   }
-  const float start[1] = {finishes && bias != nullptr ? half_to_float(bias[head_row + dim]) : 0.0f};
-  float acc[1][2] = {{0.0f, 0.0f}};
-  int4_tile_dot<NQ_HIDDEN, 1, NQ_FROM_HIDDEN_STAGES, false, NQ_CHAIN_ALL_AHEAD>(
-      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
-      reinterpret_cast<QkvRopeRing*>(gemv_shared)[split], acc);
-  float total[1] = {0.0f};
-  add_splits(split_sums, acc, start, total);
+  const float start = finishes && bias != nullptr ? half_to_float(bias[head_row + dim]) : 0.0f;
+  const float total = split_k_tile_row<NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, NQ_CHAIN_ALL_AHEAD>(qweight, scales, x, rows,
+                                                                                           [start] { return start; });
   if (split != 0) return;
-  const float partner = __shfl_xor_sync(FULL_MASK, total[0], ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
+  const float partner = __shfl_xor_sync(FULL_MASK, total, ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
   if (!finishes) return;
   const bool first = threadIdx.x < ROPE_PAIRS_PER_TILE;  // dim i, not i + head_dim/2
-  const float rotated = rope_rotate(total[0], partner, c, s, first);
+  const float rotated = rope_rotate(total, partner, c, s, first);
   if (head_slot < NQ_NUM_HEADS) {
     q_out[head_row + dim] = rotated;
     return;
@@ -475,7 +481,7 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
   const int kv_slot = head_slot - NQ_NUM_HEADS, slot = position % NQ_PAGE_SIZE;
   const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
   kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, slot, dim)] =
-      float_to_half(is_key ? rotated : total[0]);
+      float_to_half(is_key ? rotated : total);
 }
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.

@@ -240,6 +240,29 @@ def _default_attention():
     return PagedAttention
 
 
+class GraphOption:
+    """A switch of the decode step's form: setting it to a new value drops the captured graph, which
+    is captured again, the other way, at the next graph decode. `allowed(backend, value)` says
+    whether this backend can take the value; if not, ValueError(refusal)."""
+
+    def __init__(self, doc: str, allowed=None, refusal: str = ""):
+        self.__doc__, self.allowed, self.refusal = doc, allowed, refusal
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attribute = "_" + name
+
+    def __get__(self, backend, owner=None):
+        return self if backend is None else getattr(backend, self.attribute)
+
+    def __set__(self, backend, enabled) -> None:
+        enabled = bool(enabled)
+        if self.allowed is not None and not self.allowed(backend, enabled):
+            raise ValueError(self.refusal)
+        if getattr(backend, self.attribute, None) != enabled:
+            setattr(backend, self.attribute, enabled)
+            backend._graph = None
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -329,9 +352,9 @@ class CudaBackend:
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
         self.use_graph = use_graph
-        self._rope_in_qkv = activations == "fp16"
-        self._pdl = bool(pdl)
         self._graph = None  # captured at the first graph decode
+        self.rope_in_qkv = activations == "fp16"
+        self.pdl = pdl
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
         self._pending = None  # the page table of the step in flight
         device.synchronize()  # uploads and attention's set-up may run on other streams
@@ -570,29 +593,14 @@ class CudaBackend:
             self._graph = DecodeGraph(self, pdl=self._pdl)
         return self._graph
 
-    @property
-    def pdl(self) -> bool:
-        """Whether the decode graph is to be captured with programmatic dependent launches."""
-        return self._pdl
-
-    @pdl.setter
-    def pdl(self, enabled: bool) -> None:
-        if bool(enabled) != self._pdl:
-            self._pdl = bool(enabled)
-            self._graph = None  # captured again, the other way, at the next graph decode
-
-    @property
-    def rope_in_qkv(self) -> bool:
-        """Whether decode's q|k|v GEMV rotates its rows and writes the cache itself
-        (gemv_int4_qkv_rope, the fp16 default); off, rope_write_kv does that after the plain GEMV,
-        as with INT8 activations. Both write the same bits (tests/test_kernels_cuda.py)."""
-        return self._rope_in_qkv
-
-    @rope_in_qkv.setter
-    def rope_in_qkv(self, enabled: bool) -> None:
-        if bool(enabled) != self._rope_in_qkv:
-            self._rope_in_qkv = bool(enabled)
-            self._graph = None  # captured again, the other way, at the next graph decode
+    pdl = GraphOption(
+        "Whether the decode graph is to be captured with programmatic dependent launches.")
+    rope_in_qkv = GraphOption(
+        "Whether decode's q|k|v GEMV rotates its rows and writes the cache itself (gemv_int4_qkv_rope, "
+        "the fp16 default); off, rope_write_kv does that after the plain GEMV, as with INT8 "
+        "activations, which only have that form. Both write the same bits (tests/test_kernels_cuda.py).",
+        allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
+        refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
 
     def forget_step_inputs(self) -> None:
         """Say the device state is unknown, so the next step uploads its inputs (call it after

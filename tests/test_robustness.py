@@ -194,6 +194,22 @@ def test_prefill_weights_policy_is_checked(model):
     assert Engine(model, backend="numpy", prefill_weights="expand").backend.name == "numpy"
 
 
+def test_a_decode_form_switch_drops_the_graph_and_refuses_what_the_path_lacks():
+    from nanoqwen.backend_cuda import CudaBackend
+
+    backend = object.__new__(CudaBackend)  # the switches need no GPU: only the attributes they touch
+    backend.activations, backend._graph = "int8", None
+    backend.rope_in_qkv, backend.pdl = False, True
+    backend._graph = "captured"
+    backend.pdl = True  # unchanged: the graph stays
+    assert backend._graph == "captured"
+    backend.pdl = False
+    assert backend._graph is None and backend.pdl is False
+    with pytest.raises(ValueError, match="rope_in_qkv needs fp16 activations"):
+        backend.rope_in_qkv = True
+    assert backend.rope_in_qkv is False
+
+
 def test_hopper_gpu_counts_as_available(monkeypatch):
     for capability in ("90", "100"):
         fake_cupy(monkeypatch, capability)
