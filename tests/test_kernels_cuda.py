@@ -34,8 +34,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
-    QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, persistent_blocks, planned_ring_bytes,
+    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, HEAD_RING_ROWS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
+    QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
     projection_splits,
 )
 
@@ -379,7 +379,11 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
     lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
     state = cp.asarray([123, 40, 41, 9, 5, 6, 7], dtype=cp.int32)  # token, position, seq_len, status, pages
-    kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state))
+    ring, memory = mapped_host_array((HEAD_RING_ROWS, 4), np.int32)  # the host's copy of each step's head
+    ring[:] = -7
+    kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state,
+                                                                        np.uint64(ring.ctypes.data), np.int32(HEAD_RING_ROWS)))
+    cp.cuda.get_current_stream().synchronize()
 
     result = logits.get()
     assert np.isfinite(result).all(), f"{(~np.isfinite(result)).sum()} logits not written"
@@ -389,6 +393,8 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     assert (np.abs(result[rows] - expected) <= DOT_RTOL * bound + 1e-6).all()
     assert result[twin] == result[winner]
     np.testing.assert_array_equal(state.get(), [twin, 41, 42, 0, 5, 6, 7])
+    np.testing.assert_array_equal(ring[40 % HEAD_RING_ROWS], [twin, 41, 42, 0])  # row: the step's position
+    assert (np.delete(ring, 40 % HEAD_RING_ROWS, axis=0) == -7).all()  # and no other row
     assert int(np.argmax(result)) == twin
 
 
@@ -418,7 +424,7 @@ def test_greedy_argmax_flags_non_finite_logits(poison):
     if poison == "-inf everywhere":  # no weights give -inf logits: feed the reduction directly
         values[:] = -np.inf
     state = cp.asarray([1, 2, 3, 0, 4], dtype=cp.int32)
-    kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state))
+    kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1)))
     assert int(state[3].get()) == 1, f"{poison}: status not raised"
 
 
