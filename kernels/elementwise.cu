@@ -13,13 +13,8 @@ constexpr int EMBED_THREADS = EMBED_VECTORS < 1024 ? EMBED_VECTORS : 1024;
 
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
 embed_tokens(const int* token_ids, const uint4* __restrict__ table, float4* __restrict__ residual) {
-  // The token id comes from the step before (argmax_select_next), and so do the position and
-  // sequence length that later kernels of this step read before their own waits (q|k|v's RoPE,
-  // attention). Where one graph holds several steps, that argmax is a kernel of the same graph:
-  // so this step's kernels may start only once it has finished, which the wait ensures before
-  // the next kernel is let in (nothing of a step can start before its first kernel lets it).
-  wait_for_previous_kernel();
   let_next_kernel_launch();
+  wait_for_previous_kernel();  // the token id comes from the step before (argmax_select_next)
   const long long token = token_ids[blockIdx.x];
   const uint4* source = table + token * EMBED_VECTORS;
   float4* destination = residual + (long long)blockIdx.x * (NQ_HIDDEN / 4);

@@ -105,19 +105,19 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
 // The decode step's last kernel: reduce the lm_head's per-block candidates to the greedy
 // token, store it as the next step's input token, and advance position and sequence length,
 // so consecutive greedy steps can run without the host touching the state.
-// It also leaves the step's result where the host can read it without a copy in the stream:
-// the new head of the state (token, position, seq_len, status) goes to row position % ring_rows
-// of `head_ring`, pinned host memory mapped into the GPU's address space (null: no copy). A
-// device-to-host copy after each step sat between two steps on the GPU's timeline; a store to
-// host memory does not (nanoqwen.backend_cuda.CudaBackend.greedy_tokens reads the rows).
+// It also leaves the new head of the state (token, position, seq_len, status) where the host
+// reads it without a copy in the stream: row position % slots of `head_slots`, pinned host memory
+// mapped into the GPU's address space (null: not written). A device-to-host copy after each step
+// ran between two graph launches; a store to host memory inside the kernel does not
+// (nanoqwen.backend_cuda.CudaBackend.greedy_tokens reads the rows).
 // grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh);
-// head_ring int32 [ring_rows, STATE_PAGE_TABLE] or null
+// head_slots int32 [slots, STATE_PAGE_TABLE] or null
 // The candidates are lm_head_logits' output: ordinary loads, as for x above.
 constexpr int ARGMAX_THREADS = 1024;
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_select_next(const float* candidate_values, const int* candidate_indices,
-                   int num_candidates, int* __restrict__ state, int* __restrict__ head_ring, int ring_rows) {
+                   int num_candidates, int* __restrict__ state, int* __restrict__ head_slots, int slots) {
   __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
@@ -149,8 +149,8 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
                                           flagged || value == NEGATIVE_INFINITY};
 #pragma unroll
       for (int i = 0; i < STATE_PAGE_TABLE; ++i) state[i] = head[i];
-      if (head_ring != nullptr) {
-        int* row = head_ring + (long long)(position % ring_rows) * STATE_PAGE_TABLE;
+      if (head_slots != nullptr) {
+        int* row = head_slots + (long long)(position % slots) * STATE_PAGE_TABLE;
 #pragma unroll
         for (int i = 0; i < STATE_PAGE_TABLE; ++i) row[i] = head[i];
       }

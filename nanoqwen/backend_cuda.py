@@ -26,10 +26,9 @@ the plain gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates an
 Every buffer is allocated in `__init__`; the per-step values (token, position, sequence length,
 page table) live in one device int32 array, `state`, which the host sets with one copy and
 which argmax_select_next advances. So a decode step allocates nothing, waits for nothing and
-passes the same arguments every time: one CUDA graph can capture it and serve every token, and
-one graph can hold several steps in a row (`steps_per_graph`), since each step starts from the
-state the one before it left. argmax_select_next also stores each step's new state head in a
-ring of mapped host memory, where the host reads the greedy tokens without a copy in the stream.
+passes the same arguments every time: one CUDA graph can capture it and serve every token.
+argmax_select_next also stores each step's new state head in mapped host memory (`head_slots`),
+where the host reads the greedy tokens without a copy in the stream.
 
 Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
 buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only
@@ -89,13 +88,9 @@ MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6
 # nine or eight warps, or fourteen for o, were slower (results/step-lab-session13-h200.md).
 CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
-# Greedy decode steps per graph launch (CudaBackend.greedy_tokens). Inside a graph one step hands
-# over to the next at a kernel boundary like any other, with programmatic dependent launch; between
-# two graph launches the GPU drains the first graph before it starts the next (chapter 6).
-STEPS_PER_GRAPH = 8
-# Rows of the host ring that argmax_select_next writes each step's state head to (row = position
-# % rows): greedy_tokens reads one graph's steps while the next graph runs, so it holds two graphs.
-HEAD_RING_ROWS = 64
+# Rows of host memory that argmax_select_next writes each step's state head to (row = position %
+# rows): greedy_tokens reads one step's row while the next step, queued behind it, writes the other.
+HEAD_SLOTS = 2
 NULL = np.uint64(0)  # a null pointer kernel argument
 ACTIVATIONS = ("fp16", "int8")
 # "auto" keeps fp16 copies of the projections for prefill when this much device memory stays free
@@ -204,13 +199,6 @@ def greedy_token_of(head: np.ndarray) -> int:
     return int(head[STATE_TOKEN])
 
 
-def graph_chunks(steps: int, steps_per_graph: int) -> list[int]:
-    """How greedy_tokens covers `steps` decode steps: graphs of `steps_per_graph` steps while that
-    many remain, then single steps, so that no graph runs past the steps (and pages) asked for."""
-    full, rest = divmod(steps, steps_per_graph)
-    return [steps_per_graph] * full + [1] * rest
-
-
 def mapped_host_array(shape, dtype) -> tuple[np.ndarray, object]:
     """A numpy array in pinned host memory that kernels can write directly (mapped, zero-copy: with
     unified addressing, which every 64-bit CUDA platform has, its host address is also its device
@@ -273,8 +261,8 @@ def _default_attention():
 
 
 class GraphOption:
-    """A switch of the decode step's form: setting it to a new value drops the captured graphs, which
-    are captured again, the other way, at the next graph decode. `allowed(backend, value)` says
+    """A switch of the decode step's form: setting it to a new value drops the captured graph, which
+    is captured again, the other way, at the next graph decode. `allowed(backend, value)` says
     whether this backend can take the value; if not, ValueError(refusal)."""
 
     def __init__(self, doc: str, allowed=None, refusal: str = ""):
@@ -292,15 +280,14 @@ class GraphOption:
             raise ValueError(self.refusal)
         if getattr(backend, self.attribute, None) != enabled:
             setattr(backend, self.attribute, enabled)
-            backend._graphs = {}
+            backend._graph = None
 
 
 class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
-                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto",
-                 steps_per_graph: int = STEPS_PER_GRAPH):
+                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto"):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
@@ -321,9 +308,6 @@ class CudaBackend:
         dequantization, about a fifth of a 512-token prefill, out of every prompt; "auto" (the
         default) caches when the device keeps PREFILL_CACHE_HEADROOM_BYTES free after it.
         `self.prefill_weights` says which was chosen.
-
-        Greedy generation (`greedy_tokens`) launches graphs of `steps_per_graph` decode steps
-        (default STEPS_PER_GRAPH) while at least that many steps remain, then one step at a time.
         """
         import cupy as cp
 
@@ -388,8 +372,7 @@ class CudaBackend:
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
         self.use_graph = use_graph
-        self._graphs = {}  # steps per graph -> DecodeGraph, captured at first use
-        self.steps_per_graph = steps_per_graph
+        self._graph = None  # captured at the first graph decode
         self.rope_in_qkv = activations == "fp16"
         self.pdl = pdl
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
@@ -468,8 +451,9 @@ class CudaBackend:
         self.page_table = self.state[STATE_PAGE_TABLE:]
         # Each step's new state head, written by argmax_select_next into host memory (mapped, so the
         # kernel stores to it directly): greedy_tokens reads the tokens from here.
-        self.head_ring, self._head_ring_memory = mapped_host_array((HEAD_RING_ROWS, STATE_PAGE_TABLE), np.int32)
-        self.head_ring[:] = -1
+        self.head_slots, self._head_slots_memory = mapped_host_array((HEAD_SLOTS, STATE_PAGE_TABLE), np.int32)
+        self.head_slots[:] = -1
+        self.head_slots_address = np.uint64(self.head_slots.ctypes.data)  # the kernel's pointer to them
         self.residual = cp.empty(c.hidden_size, dtype=cp.float32)
         self.normed = cp.empty(c.hidden_size, dtype=cp.float16)
         self.qkv_out = cp.empty(first.qkv.out_features, dtype=cp.float32)
@@ -594,7 +578,7 @@ class CudaBackend:
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
                 (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
-                 np.uint64(self.head_ring.ctypes.data), np.int32(HEAD_RING_ROWS)),
+                 self.head_slots_address, np.int32(HEAD_SLOTS)),
             )
         return self.launches_per_token
 
@@ -623,25 +607,13 @@ class CudaBackend:
         self.state[: len(host)].set(host, stream=self.stream)
         self._device_holds = (token, int(position), pages)
 
-    def decode_graph(self, steps: int = 1):
-        """`steps` decode steps in a row as one CUDA graph, captured on first use (nanoqwen.cuda_graph)."""
-        if steps not in self._graphs:
+    def decode_graph(self):
+        """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda_graph)."""
+        if self._graph is None:
             from .cuda_graph import DecodeGraph
 
-            self._graphs[steps] = DecodeGraph(self, pdl=self._pdl, steps=steps)
-        return self._graphs[steps]
-
-    @property
-    def steps_per_graph(self) -> int:
-        """Greedy decode steps per graph launch in `greedy_tokens`."""
-        return self._steps_per_graph
-
-    @steps_per_graph.setter
-    def steps_per_graph(self, steps) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= HEAD_RING_ROWS // 2:
-            raise ValueError(f"steps_per_graph must be an integer from 1 to {HEAD_RING_ROWS // 2} (the host ring "
-                             f"holds two graphs' steps), got {steps!r}")
-        self._steps_per_graph = int(steps)
+            self._graph = DecodeGraph(self, pdl=self._pdl)
+        return self._graph
 
     pdl = GraphOption(
         "Whether the decode graph is to be captured with programmatic dependent launches.")
@@ -687,23 +659,34 @@ class CudaBackend:
         return self.logits.get(stream=self.stream)
 
     def decode_greedy(self, token_id: int, position: int, page_table) -> int:
-        """The argmax of `decode`, computed on the device: 16 bytes come back (the token and the
-        status word). Non-finite logits raise FloatingPointError, as numpy's greedy choice does."""
+        """The argmax of `decode`, computed on the device, which stores it in host memory (the token
+        and the status word). Non-finite logits raise FloatingPointError, as numpy's greedy choice does."""
         self._step(token_id, position, page_table)
-        token = greedy_token_of(self.state[: STATE_STATUS + 1].get(stream=self.stream))
+        self.stream.synchronize()
+        token = self._greedy_token_after(position)
         self._device_holds = (token, position + 1, self._pending)
         return token
+
+    def _greedy_token_after(self, position: int) -> int:
+        """The token that the finished step at `position` chose, from its row of `head_slots`."""
+        head = self.head_slots[position % HEAD_SLOTS]
+        if head[STATE_POSITION] != position + 1:  # the row of another step: a bug, never data
+            raise RuntimeError(f"the host's head row holds position {head[STATE_POSITION]} where the step at "
+                               f"{position} should have left {position + 1}")
+        return greedy_token_of(head)
 
     def greedy_tokens(self, token_id: int, position: int, page_table, steps: int):
         """The next `steps` greedy tokens after `token_id` at `position`, each fed back in turn.
 
-        With the graph, the device advances its own state, so the host need not wait for a token
-        before starting the next step. The steps run as graphs of `steps_per_graph` steps
-        (graph_chunks), and the generator keeps one graph queued behind the one it reads. Each step's
-        argmax stores the new state head in `head_ring` (host memory) at row position % rows; an event
-        after each graph says when its rows are there. A consumer that stops early leaves at most
-        two graphs' steps computed, at positions inside the `steps` it asked for (the engine reserves
-        their pages), never read.
+        With the graph, the device advances its own state, so the host need not wait for token k
+        before starting step k + 1: the generator keeps one step queued behind the one it reads.
+        Each step's argmax stores the new state head (token, position, seq_len, status) in host
+        memory itself, row position % HEAD_SLOTS of `head_slots`, so the queued step writes the
+        other row; an event after each step says when its row is there. A device-to-host copy of
+        the head after each step cost 7-10 us per token on an H200 (results/bench-7b-h200.md): it
+        sat between two graph launches. A consumer that stops early leaves at most one extra step
+        computed, at a position inside the `steps` it asked for (the engine reserves their pages),
+        never read.
         """
         if steps <= 0:
             return
@@ -715,30 +698,18 @@ class CudaBackend:
         cp = self._cp
         self._check_positions(position, steps, page_table)  # the whole run, once
         self._step(token_id, position, page_table)  # checks and uploads the first step's inputs, runs it
-        chunks = [1] + graph_chunks(steps - 1, self.steps_per_graph)
-        done = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
-        done[0].record(self.stream)
-
-        def read(first_position: int, count: int):
-            """The tokens of the steps at positions first_position .. + count - 1, from the ring."""
-            for p in range(first_position, first_position + count):
-                head = self.head_ring[p % HEAD_RING_ROWS]
-                if head[STATE_POSITION] != p + 1:  # a row another step wrote, or none: a bug, never data
-                    raise RuntimeError(f"the host ring holds position {head[STATE_POSITION]} where step {p} "
-                                       f"should have left {p + 1}")
-                yield greedy_token_of(head)
-
+        graph = self.decode_graph()
+        done = [cp.cuda.Event(disable_timing=True) for _ in range(HEAD_SLOTS)]
+        done[position % HEAD_SLOTS].record(self.stream)
         try:
-            first = position
-            for c, count in enumerate(chunks):
-                if c + 1 < len(chunks):  # the next graph reads the token this one chose, on the device
-                    self.decode_graph(chunks[c + 1]).launch()
-                    done[(c + 1) % 2].record(self.stream)
-                done[c % 2].synchronize()
-                yield from read(first, count)
-                first += count
+            for p in range(position, position + steps):
+                if p + 1 < position + steps:
+                    graph.launch()  # step p + 1 reads the token step p chose, on the device
+                    done[(p + 1) % HEAD_SLOTS].record(self.stream)
+                done[p % HEAD_SLOTS].synchronize()
+                yield self._greedy_token_after(p)
         finally:
-            self._device_holds = None  # steps may have run ahead: the next request uploads
+            self._device_holds = None  # a step may have run ahead: the next request uploads
 
     # ------------------------------------------------------------------ prefill
 

@@ -11,10 +11,6 @@ the step's launches once and replays them with one call. Three rules make that l
 * pages for the whole request are reserved before decoding starts, so a step that crosses into
   a new page needs no host decision: the page table already names it.
 
-The same rules let one graph hold several greedy steps in a row: the host learns each step's
-token from a ring of mapped host memory that the step's argmax writes to, not from a copy
-between two graph launches (`CudaBackend.greedy_tokens`).
-
 The article this book grew from captured two graph variants and chose one per token depending
 on whether the token opened a new page. Keeping the page table and position in device memory
 makes that choice unnecessary: one graph serves every step.
@@ -53,23 +49,19 @@ def capture(stream, issue):
 
 
 class DecodeGraph:
-    """`steps` decode steps (`backend.decode_step_launches`, one after another) captured once on
-    `backend.stream`; `launch()` replays them.
+    """`backend.decode_step_launches` captured once on `backend.stream`; `launch()` replays it.
 
     With `pdl`, every kernel of the step that waits for its predecessor in the kernel itself
     (nanoqwen.cuda_launch.KERNELS_THAT_WAIT) is captured as a programmatic dependent launch, so
     it may start while the kernel before it finishes. `self.pdl` says whether that happened
     (False where cuda.bindings is missing: the launches are then plain, after one warning).
-    Several steps in one graph need nothing more: each starts from the state the one before it
-    left, and its first kernel lets the rest of the step start only after that (embed_tokens).
     """
 
-    def __init__(self, backend, pdl: bool = False, steps: int = 1):
+    def __init__(self, backend, pdl: bool = False):
         self.stream = backend.stream
-        self.steps = steps
-        self.launches = steps * backend.launches_per_token
+        self.launches = backend.launches_per_token
         with programmatic_launches(pdl) as self.pdl:
-            self.graph = capture(self.stream, lambda: [backend.decode_step_launches(self.stream) for _ in range(steps)])
+            self.graph = capture(self.stream, lambda: backend.decode_step_launches(self.stream))
 
     @property
     def mode(self) -> str:

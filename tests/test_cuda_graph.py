@@ -8,7 +8,6 @@ nano-coder, whose trained logits have clear margins.
 import numpy as np
 import pytest
 
-from nanoqwen.backend_cuda import STEPS_PER_GRAPH
 from nanoqwen.engine import Engine, cuda_available
 
 pytestmark = [
@@ -128,8 +127,8 @@ def test_non_finite_logits_raise_in_graph_greedy_decode(engines):
 
 
 def test_pipelined_greedy_tokens_equal_step_by_step(engines):
-    """CudaBackend.greedy_tokens runs graphs of several steps and keeps one graph queued ahead of
-    the one it reads; the tokens must be those of one decode_greedy call per step."""
+    """CudaBackend.greedy_tokens keeps one step queued ahead of the one it reads; the tokens must
+    be those of one decode_greedy call per step."""
     cuda, _ = engines
     backend = cuda.backend
     ids = np.array(cuda.tokenizer.encode(PROMPTS[1]), dtype=np.int32)
@@ -148,8 +147,8 @@ def test_pipelined_greedy_tokens_equal_step_by_step(engines):
 
 
 def test_stopping_early_leaves_the_engine_consistent(engines):
-    """A stop token ends a pipelined run with up to two graphs of steps already queued; the next
-    request must not see them."""
+    """A stop token ends a pipelined run with one step already queued; the next request must not
+    see it."""
     cuda, numpy_engine = engines
     want = numpy_engine.generate(PROMPTS[2], max_new_tokens=40, stop_token_ids=[]).token_ids
     stop = want[12]
@@ -157,47 +156,3 @@ def test_stopping_early_leaves_the_engine_consistent(engines):
     assert got == want[: want.index(stop)]
     assert cuda.generate(PROMPTS[0], max_new_tokens=24, stop_token_ids=[]).token_ids == \
         numpy_engine.generate(PROMPTS[0], max_new_tokens=24, stop_token_ids=[]).token_ids
-
-
-def _greedy_run(engine, prompt: str, steps: int):
-    """greedy_tokens after a prefill: the tokens, the K/V rows of every position they filled (in
-    position order, [positions, layers, 2, kv heads, head_dim]) and the last step's logits."""
-    import cupy as cp
-
-    from nanoqwen.kvcache import pages_needed
-
-    backend = engine.backend
-    ids = np.array(engine.tokenizer.encode(prompt), dtype=np.int32)
-    pages = engine.allocator.allocate(pages_needed(len(ids) + steps))
-    try:
-        first = int(np.argmax(backend.prefill(ids, 0, pages)))
-        tokens = list(backend.greedy_tokens(first, len(ids), pages, steps))
-        positions = np.arange(len(ids) + steps)
-        kv = backend.kv_pool[:, cp.asarray(pages[positions // 16]), :, :, cp.asarray(positions % 16), :]
-        return tokens, kv.get(), backend.logits.get()
-    finally:
-        engine.allocator.free(pages)
-
-
-def test_steps_per_graph_changes_no_bit(engines):
-    """Graphs of several steps pass the state from step to step on the device, and each step's
-    first kernel holds the rest back until the step before has finished (embed_tokens). Tokens,
-    every K/V row written and the last logits must not depend on how many steps a graph holds:
-    45 steps after a prompt of odd length cross page boundaries inside graphs and end in a partly
-    filled page; 8 per graph is the default, 3 leaves single steps at the end."""
-    cuda, _ = engines
-    backend = cuda.backend
-    runs = {}
-    try:
-        for per_graph in (1, 3, 8):
-            backend.steps_per_graph = per_graph
-            runs[per_graph] = _greedy_run(cuda, PROMPTS[2], 45)
-    finally:
-        backend.steps_per_graph = STEPS_PER_GRAPH
-    tokens, kv, logits = runs[1]
-    for per_graph in (3, 8):
-        assert runs[per_graph][0] == tokens, per_graph
-        assert np.array_equal(runs[per_graph][1], kv), per_graph
-        assert np.array_equal(runs[per_graph][2], logits), per_graph
-    assert set(backend._graphs) >= {1, 3, 8}
-    assert backend.decode_graph(8).launches == 8 * backend.launches_per_token

@@ -34,7 +34,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, HEAD_RING_ROWS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
+    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
     QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
     projection_splits,
 )
@@ -379,10 +379,10 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
     lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
     state = cp.asarray([123, 40, 41, 9, 5, 6, 7], dtype=cp.int32)  # token, position, seq_len, status, pages
-    ring, memory = mapped_host_array((HEAD_RING_ROWS, 4), np.int32)  # the host's copy of each step's head
-    ring[:] = -7
+    slots, memory = mapped_host_array((16, 4), np.int32)  # host rows for the heads: position 40 goes to row 8
+    slots[:] = -7
     kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state,
-                                                                        np.uint64(ring.ctypes.data), np.int32(HEAD_RING_ROWS)))
+                                                                        np.uint64(slots.ctypes.data), np.int32(16)))
     cp.cuda.get_current_stream().synchronize()
 
     result = logits.get()
@@ -393,8 +393,8 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     assert (np.abs(result[rows] - expected) <= DOT_RTOL * bound + 1e-6).all()
     assert result[twin] == result[winner]
     np.testing.assert_array_equal(state.get(), [twin, 41, 42, 0, 5, 6, 7])
-    np.testing.assert_array_equal(ring[40 % HEAD_RING_ROWS], [twin, 41, 42, 0])  # row: the step's position
-    assert (np.delete(ring, 40 % HEAD_RING_ROWS, axis=0) == -7).all()  # and no other row
+    np.testing.assert_array_equal(slots[8], [twin, 41, 42, 0])  # the host sees the new head, unasked
+    assert (np.delete(slots, 8, axis=0) == -7).all()  # in that row alone
     assert int(np.argmax(result)) == twin
 
 

@@ -198,40 +198,16 @@ def test_a_decode_form_switch_drops_the_graph_and_refuses_what_the_path_lacks():
     from nanoqwen.backend_cuda import CudaBackend
 
     backend = object.__new__(CudaBackend)  # the switches need no GPU: only the attributes they touch
-    backend.activations, backend._graphs = "int8", {}
+    backend.activations, backend._graph = "int8", None
     backend.rope_in_qkv, backend.pdl = False, True
-    backend._graphs = {1: "captured", 8: "captured"}
-    backend.pdl = True  # unchanged: the graphs stay
-    assert backend._graphs == {1: "captured", 8: "captured"}
+    backend._graph = "captured"
+    backend.pdl = True  # unchanged: the graph stays
+    assert backend._graph == "captured"
     backend.pdl = False
-    assert backend._graphs == {} and backend.pdl is False
+    assert backend._graph is None and backend.pdl is False
     with pytest.raises(ValueError, match="rope_in_qkv needs fp16 activations"):
         backend.rope_in_qkv = True
     assert backend.rope_in_qkv is False
-
-
-def test_greedy_graphs_cover_the_steps_asked_for_and_no_more():
-    from nanoqwen.backend_cuda import graph_chunks
-
-    assert graph_chunks(0, 8) == []
-    assert graph_chunks(7, 8) == [1] * 7
-    assert graph_chunks(37, 8) == [8, 8, 8, 8, 1, 1, 1, 1, 1]
-    assert graph_chunks(16, 1) == [1] * 16
-    for steps in range(50):
-        for per_graph in (1, 3, 8):
-            chunks = graph_chunks(steps, per_graph)
-            assert sum(chunks) == steps and set(chunks) <= {1, per_graph}
-
-
-@pytest.mark.parametrize("steps", [0, -1, 33, 2.0, True, "8"])
-def test_steps_per_graph_is_checked(steps):
-    from nanoqwen.backend_cuda import HEAD_RING_ROWS, CudaBackend
-
-    backend = object.__new__(CudaBackend)  # the setter needs no GPU
-    with pytest.raises(ValueError, match=f"steps_per_graph must be an integer from 1 to {HEAD_RING_ROWS // 2}"):
-        backend.steps_per_graph = steps
-    backend.steps_per_graph = HEAD_RING_ROWS // 2
-    assert backend.steps_per_graph == HEAD_RING_ROWS // 2
 
 
 def test_hopper_gpu_counts_as_available(monkeypatch):

@@ -86,10 +86,10 @@ def main(argv=None) -> int:
                                      if launches_of(backend, names)}  # rope_write_kv: only with rope_in_qkv off
     graphs = {}
     for variant, names in variants.items():
-        backend._graphs = {}  # capture anew, without `names`
+        backend._graph = None  # capture anew, without `names`
         with without(backend, names):
             graphs[variant] = backend.decode_graph()
-    backend._graphs = {}
+    backend._graph = None
     times = {variant: [] for variant in variants}
     for _ in range(args.rounds):
         for variant, graph in graphs.items():

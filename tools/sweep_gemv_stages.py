@@ -96,7 +96,7 @@ def use_variant(backend: CudaBackend, module, variant: dict) -> None:
     for layer in backend.layers:
         for short in GEMV_KERNELS:
             getattr(layer, short).splits = splits[short]
-    backend._graphs = {}
+    backend._graph = None
     backend.forget_step_inputs()
 
 
