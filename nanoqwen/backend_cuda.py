@@ -683,8 +683,8 @@ class CudaBackend:
         Each step's argmax stores the new state head (token, position, seq_len, status) in host
         memory itself, row position % HEAD_SLOTS of `head_slots`, so the queued step writes the
         other row; an event after each step says when its row is there. A device-to-host copy of
-        the head after each step cost 7-10 us per token on an H200 (results/bench-7b-h200.md): it
-        sat between two graph launches. A consumer that stops early leaves at most one extra step
+        the head after each step, between two graph launches, cost about 8 us per token on two
+        H200s (results/graph-readback-h200.md). A consumer that stops early leaves at most one extra step
         computed, at a position inside the `steps` it asked for (the engine reserves their pages),
         never read.
         """
