@@ -3,7 +3,8 @@
 It reports time to first token, decode ms/token and tokens/s, the bytes one decoded token must
 read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
 decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
-the microseconds of one step go, kernel by kernel. With `--baseline` it
+the microseconds of one step go, kernel by kernel. It also times sampled decoding, whose token is
+chosen on the host from the step's logits (`sampled_decode`). With `--baseline` it
 times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
 """
 
@@ -25,6 +26,12 @@ from .cli import subcommand
 from .config import ModelConfig
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
+# Sampled decoding, timed beside the greedy protocol: the logits come to the host every step.
+SAMPLED_SETTINGS = {
+    "temperature 0.7": dict(temperature=0.7),
+    "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
+    "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95),
+}
 
 
 def bytes_per_token(config: ModelConfig, context: int) -> dict[str, int]:
@@ -284,6 +291,7 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
                         prefill_weights=prefill_weights)
         report["protocol"]["prefill_weights"] = engine.backend.prefill_weights
         report["end_to_end"] = _end_to_end(engine, ids, new_tokens, repeats)
+        report["sampled_decode"] = _sampled_decode(engine, ids, new_tokens, repeats, seed)
         report["step"], report["timeline"] = _step_costs(engine, ids, pages_needed(prompt_tokens + TIMING_STEPS + 1))
     finally:
         if engine is not None:
@@ -316,6 +324,16 @@ def _end_to_end(engine, ids: list[int], new_tokens: int, repeats: int) -> dict:
         "share_of_floor": floor_bytes / READ_BANDWIDTH * 1e3 / decode_ms,
         "greedy_tokens_identical_across_repeats": all(r.token_ids == runs[0].token_ids for r in runs),
     }
+
+
+def _sampled_decode(engine, ids: list[int], new_tokens: int, repeats: int, seed: int) -> dict:
+    """Decode ms/token of engine.generate under each of SAMPLED_SETTINGS (median of `repeats`)."""
+    result = {}
+    for label, settings in SAMPLED_SETTINGS.items():
+        runs = [engine.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[], seed=seed + r, **settings)
+                for r in range(repeats)]
+        result[label] = {"settings": settings, "decode_ms_per_token": 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)}
+    return result
 
 
 def _step_costs(engine, ids: list[int], pages: int):
@@ -375,6 +393,8 @@ def format_report(report: dict) -> str:
         f"| byte floor per token | {e['byte_floor_total'] / 1e9:.3f} GB -> {e['floor_ms_at_read_bandwidth']:.3f} ms at 4.49 TB/s |",
         f"| achieved | {e['achieved_GB_per_s']:.0f} GB/s, {100 * e['share_of_floor']:.1f}% of the floor |",
     ]
+    lines += [f"| decode, sampled ({label}) | {row['decode_ms_per_token']:.3f} ms/token |"
+              for label, row in report.get("sampled_decode", {}).items()]
     if s:
         lines += [
             f"| launches per token | {s['launches_per_token']} |",

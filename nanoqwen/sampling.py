@@ -2,7 +2,9 @@
 
 Sampling runs on the host in float64: the vocabulary is only ~152k entries, and doing it in
 double precision makes a seeded run reproducible across backends (the backends agree on the
-logits to fp32 rounding, and float64 arithmetic on top adds nothing platform-dependent).
+logits to fp32 rounding, and float64 arithmetic on top adds nothing platform-dependent). It
+costs the decode loop about a millisecond per token: a few passes over the logits, and a sort
+of only the most likely tokens when top-k or top-p asks for an order.
 """
 
 from __future__ import annotations
@@ -64,7 +66,15 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from `logits` [vocab] under `params`; greedy ignores `rng`."""
+    """One token id from `logits` [vocab] under `params`; greedy ignores `rng`.
+
+    The draw is an inverse-CDF draw over the tokens the filters keep, in a fixed order, so a seed
+    replays it. Only the filters need an order by probability, and only of the head of the
+    distribution: top-k keeps the k most likely tokens, top-p the shortest run of most likely
+    tokens whose mass reaches top_p; ties go to the lower id. Sorting the whole vocabulary
+    instead cost 20 ms per token for 152k logits on a 2-core machine, ten decode steps of the
+    7B on an H200.
+    """
     if params.greedy:
         best = int(np.argmax(logits))
         if not np.isfinite(logits[best]):  # argmax returns the first NaN if there is one
@@ -79,17 +89,44 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     scaled = logits - top
     with np.errstate(over="ignore"):
         scaled /= params.temperature
-    candidates = np.arange(scaled.shape[0])
+    kept = None  # every id, in id order
     if 0 < params.top_k < scaled.shape[0]:
-        candidates = np.argpartition(scaled, -params.top_k)[-params.top_k :]
-    # Most likely first; the stable sort keeps ties in id order, so a seed replays exactly.
-    candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
-    probs = np.exp(scaled[candidates])  # the best is exp(0) = 1: no overflow, no all-zero row
-    probs /= probs.sum()
+        kept = most_likely_first(scaled, None, params.top_k)[: params.top_k]
     if params.top_p < 1:
-        # The nucleus: the shortest prefix whose mass reaches top_p (at least one token).
-        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
-        candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
-    cumulative = np.cumsum(probs)
-    choice = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    return int(candidates[min(choice, len(candidates) - 1)])
+        kept = nucleus(scaled, kept, params.top_p)
+    weights = np.exp(scaled if kept is None else scaled[kept])  # the best weighs exp(0) = 1: no overflow
+    cumulative = np.cumsum(weights)
+    choice = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
+    return choice if kept is None else int(kept[choice])
+
+
+def most_likely_first(scaled: np.ndarray, ids: np.ndarray | None, count: int) -> np.ndarray:
+    """At least the `count` ids of `ids` (None: every id) with the highest `scaled`, highest
+    first, ties in id order.
+
+    Every id tied with the count-th is included too, so that the order of the first `count` does
+    not depend on which of equal values a partition happened to put in front.
+    """
+    values = scaled if ids is None else scaled[ids]
+    if count < len(values):
+        boundary = np.partition(values, len(values) - count)[len(values) - count]  # the count-th highest
+        chosen = np.flatnonzero(values >= boundary)
+        ids = chosen if ids is None else ids[chosen]
+    elif ids is None:
+        ids = np.arange(len(values))
+    return ids[np.lexsort((ids, -scaled[ids]))]  # by value, descending, then by id
+
+
+def nucleus(scaled: np.ndarray, ids: np.ndarray | None, top_p: float) -> np.ndarray:
+    """The shortest run of `ids` (None: every id), most likely first, whose probability reaches
+    `top_p` of their mass (at least one id). It sorts the most likely 64 first, then 8 times more
+    while their mass falls short: a peaked distribution never sorts the rest."""
+    total = np.exp(scaled if ids is None else scaled[ids]).sum()
+    size = scaled.shape[0] if ids is None else len(ids)
+    count = min(64, size)
+    while True:
+        head = most_likely_first(scaled, ids, count)
+        mass = np.cumsum(np.exp(scaled[head]))
+        if mass[-1] >= top_p * total or len(head) == size:
+            return head[: min(int(np.searchsorted(mass, top_p * total)) + 1, len(head))]
+        count = min(8 * count, size)

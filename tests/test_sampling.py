@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen.sampling import GenerationError, SamplingParams, sample
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoqwen.sampling import GenerationError, SamplingParams, most_likely_first, nucleus, sample
 
 LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
 
@@ -118,3 +121,37 @@ def test_infinite_logits_raise():
         sample(np.array([0.0, np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
     with pytest.raises(FloatingPointError):
         sample(np.array([-np.inf, -np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
+
+
+def full_sort(scaled: np.ndarray) -> np.ndarray:
+    """Every id, most likely first, ties in id order: what the filters are defined by."""
+    return np.argsort(-scaled, kind="stable")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-6, 0), min_size=1, max_size=300), st.integers(1, 320),
+       st.floats(0.01, 0.999), st.integers(0, 3))
+def test_the_filters_match_a_sort_of_the_whole_vocabulary(levels, k, top_p, masked):
+    """Few distinct values, so ties at every boundary; some ids masked to -inf (weight 0)."""
+    scaled = np.array(levels, dtype=np.float64) / 2
+    scaled[: min(masked, len(scaled) - 1)] = -np.inf
+    order = full_sort(scaled)
+    k = min(k, len(scaled))
+    assert np.array_equal(most_likely_first(scaled, None, k)[:k], order[:k])
+    assert np.array_equal(most_likely_first(scaled, order[::-1].copy(), k)[:k], order[:k])  # any order of ids in
+    mass = np.cumsum(np.exp(scaled[order]))
+    shortest = min(int(np.searchsorted(mass, top_p * mass[-1])) + 1, len(order))
+    got = nucleus(scaled, None, top_p)
+    assert np.array_equal(got, order[: len(got)])  # a run of most likely first
+    assert abs(len(got) - shortest) <= 1  # the same cut, but where rounding puts a sum on the boundary
+    kept = order[:k]
+    inner = nucleus(scaled, kept.copy(), top_p)
+    assert np.array_equal(inner, kept[: len(inner)])
+
+
+def test_the_nucleus_grows_its_sorted_head_only_as_needed():
+    scaled = np.full(100_000, -40.0)
+    scaled[[7, 70_000, 123]] = [0.0, -0.5, -1.0]  # nearly all the mass in three ids
+    assert nucleus(scaled, None, 0.9).tolist() == [7, 70_000, 123]
+    flat = np.zeros(1000)  # all tied: the nucleus is the first ids in id order
+    assert nucleus(flat, None, 0.5).tolist() == list(range(500))
