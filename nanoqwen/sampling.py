@@ -121,7 +121,8 @@ NUCLEUS_HEAD = 256  # ids sorted first in search of the nucleus
 
 def nucleus(scaled: np.ndarray, ids: np.ndarray | None, top_p: float) -> np.ndarray:
     """The shortest run of `ids` (None: every id), most likely first and ties in id order, whose
-    probability reaches `top_p` of their mass (at least one id), in no particular order.
+    probability reaches `top_p` of their mass (at least one id), in no particular order. `ids`
+    lists tied ids in increasing order (id order, or most_likely_first's).
 
     A peaked distribution has a short run: it sorts the most likely NUCLEUS_HEAD ids and finds it
     there. A flat one runs over much of the vocabulary: then one sort of the values alone gives
