@@ -1,6 +1,7 @@
-// lm_head.cu: logits = W x with W fp16 [V, H], x fp16 [H]; then the greedy argmax on device.
+// lm_head.cu: logits = W x with W fp16 [V, H], x fp16 [H]; then the next token, chosen on device.
 //
-// Reference: ops_numpy.fp16_linear (fp32 products and sums) and numpy.argmax.
+// Reference: ops_numpy.fp16_linear (fp32 products and sums), and nanoqwen.sampling.sample for
+// the choice (numpy.argmax when greedy).
 //
 // At V = 152064 and H = 3584 the matrix is 1.09 GB, a quarter of every decoded token's bytes,
 // so this is the single largest stream of the step. A warp owns one row at a time: each lane
@@ -12,6 +13,11 @@
 // Greedy decoding needs only the index of the largest logit. Each warp tracks its best row
 // while it goes; each block leaves one (value, index) candidate; argmax_select_next reduces
 // the candidates and writes the winner where the next step's embedding reads its token.
+// Sampling at a temperature T is an argmax too (the Gumbel-max trick): of each row's key,
+// float32(logit + T * g), with g a standard Gumbel variable that a hash of (seed, position, row)
+// gives, so the sampled token never leaves the device either (nanoqwen/sampling.py says why the
+// draw is exact and computes the same keys on the host). The noise does not depend on the row's
+// weights, so the warp computes it while the row's loads are in flight.
 // Non-finite logits must not pass silently (numpy's greedy choice raises on them, see
 // nanoqwen/sampling.py): a block that computed a NaN or +inf logit leaves NaN as its candidate
 // value, which never wins a comparison, and argmax_select_next turns any such NaN, or a best
@@ -34,6 +40,30 @@ __device__ __forceinline__ float dot8_half(uint4 w, uint4 x, float sum) {
   return sum;
 }
 
+// How the next token is chosen: set by the host per request (CudaBackend._set_sampler). A null
+// pointer, or temperature 0, means greedy.
+struct SamplerSettings {
+  unsigned int key0, key1;  // from the seed: SamplingParams.key
+  double temperature;
+};
+
+// nanoqwen.sampling._mix32: a bijective avalanche of a 32-bit word.
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  return x ^ (x >> 15);
+}
+
+// nanoqwen.sampling.gumbel_noise for one token id, `step` from the key and the position: 52 bits,
+// u = (bits + 1/2) / 2^52 strictly inside (0, 1), g = -log(-log(u)), all in float64.
+__device__ __forceinline__ double gumbel_noise(unsigned int step, int id) {
+  const unsigned long long high = mix32(mix32(2u * id) ^ step), low = mix32(mix32(2u * id + 1u) ^ step);
+  const double u = ((double)((high << 20) | (low >> 12)) + 0.5) * (1.0 / 4503599627370496.0);  // 2^52
+  return -log(-log(u));
+}
+
 // This lane's pieces of one row of the weight, all loads issued before any is used.
 __device__ __forceinline__ void load_lm_row(const uint4* __restrict__ weight, int row, int lane,
                                             uint4 (&w)[LM_PIECES_PER_LANE]) {
@@ -45,14 +75,48 @@ __device__ __forceinline__ void load_lm_row(const uint4* __restrict__ weight, in
   }
 }
 
+// One warp's rows, from `first_row` (whose pieces `w` already holds) in steps of the grid's warps:
+// each row's logit into `logits`, the best key so far into best_value and best_index. A template,
+// so that the greedy scan carries none of the sampler's instructions.
+template <bool SAMPLING>
+__device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, float* __restrict__ logits,
+                                          const uint4* x_shared, int first_row, int lane,
+                                          uint4 (&w)[LM_PIECES_PER_LANE], double temperature, unsigned int step,
+                                          float& best_value, int& best_index, bool& saw_non_finite) {
+  const int warps_in_grid = gridDim.x * LM_WARPS;
+  for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
+    if (row != first_row) load_lm_row(weight, row, lane, w);
+    // Separate roundings, as numpy's keys: logit + (T * g), never one fused multiply-add.
+    const double noise = SAMPLING ? __dmul_rn(temperature, gumbel_noise(step, row)) : 0.0;
+    float sum = 0.0f;
+#pragma unroll
+    for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
+      if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_shared[lane + p * WARP_SIZE], sum);
+    sum = warp_sum(sum);  // every lane now holds the row's logit
+    if (lane == 0) logits[row] = sum;
+    saw_non_finite |= !(sum < POSITIVE_INFINITY);  // NaN or +inf
+    const float key = SAMPLING ? (float)__dadd_rn((double)sum, noise) : sum;
+    if (better_candidate(key, row, best_value, best_index)) {
+      best_value = key;
+      best_index = row;
+    }
+  }
+}
+
 // grid (persistent: blocks that fit at once), block (LM_THREADS)
 //   x fp16 [H], weight fp16 [V, H], logits fp32 [V],
-//   candidate_values fp32 [gridDim.x], candidate_indices int32 [gridDim.x]
+//   candidate_values fp32 [gridDim.x], candidate_indices int32 [gridDim.x] (of the keys: the
+//   logits when greedy), state int32 (common.cuh: the step's position) and sampler: both null, or
+//   both set (prefill's lm_head passes null: the host chooses from its logits)
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
 // pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
-extern "C" __global__ void __launch_bounds__(LM_THREADS, 2)
+// Three blocks per SM (24 warps, each with a row in flight) fit at 80 registers a thread; the
+// sampler's float64 arithmetic took ptxas to 86 and the grid to two blocks per SM, which cost
+// greedy decode about 5 us per token on an H200 (results/sampled-decode-device-h200.md).
+extern "C" __global__ void __launch_bounds__(LM_THREADS, 3)
 lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
-               float* __restrict__ candidate_values, int* __restrict__ candidate_indices) {
+               float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,
+               const SamplerSettings* sampler) {
   __shared__ uint4 x_shared[LM_PIECES];
   __shared__ float warp_values[LM_WARPS];
   __shared__ int warp_indices[LM_WARPS];
@@ -63,6 +127,11 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
   const int first_row = blockIdx.x * LM_WARPS + warp;
   uint4 w[LM_PIECES_PER_LANE];
   if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
+  // No kernel of this step writes the sampler (the host sets it before the launch) or the position
+  // (the previous step's argmax_select_next advanced it): both can be read before the wait.
+  const double temperature = sampler == nullptr ? 0.0 : sampler->temperature;
+  const unsigned int step =
+      temperature > 0 ? mix32(sampler->key1 ^ mix32(sampler->key0 ^ mix32(state[STATE_POSITION]))) : 0u;
   wait_for_previous_kernel();
   for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];
   __syncthreads();
@@ -70,21 +139,10 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
   float best_value = NEGATIVE_INFINITY;
   int best_index = 0;
   bool saw_non_finite = false;
-  const int warps_in_grid = gridDim.x * LM_WARPS;
-  for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
-    if (row != first_row) load_lm_row(weight, row, lane, w);
-    float sum = 0.0f;
-#pragma unroll
-    for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
-      if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_shared[lane + p * WARP_SIZE], sum);
-    sum = warp_sum(sum);  // every lane now holds the row's logit
-    if (lane == 0) logits[row] = sum;
-    saw_non_finite |= !(sum < POSITIVE_INFINITY);  // NaN or +inf
-    if (better_candidate(sum, row, best_value, best_index)) {
-      best_value = sum;
-      best_index = row;
-    }
-  }
+  if (temperature > 0)
+    scan_rows<true>(weight, logits, x_shared, first_row, lane, w, temperature, step, best_value, best_index, saw_non_finite);
+  else
+    scan_rows<false>(weight, logits, x_shared, first_row, lane, w, 0.0, 0u, best_value, best_index, saw_non_finite);
 
   if (lane == 0) {
     warp_values[warp] = best_value;

@@ -17,7 +17,8 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
       add_rmsnorm_cluster  residual += o; normed = norm(residual)
       gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
       gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
-    add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax), argmax_select_next
+    add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax of the sampler's keys),
+    argmax_select_next
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
 add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
@@ -28,7 +29,9 @@ page table) live in one device int32 array, `state`, which the host sets with on
 which argmax_select_next advances. So a decode step allocates nothing, waits for nothing and
 passes the same arguments every time: one CUDA graph can capture it and serve every token.
 argmax_select_next also stores each step's new state head in mapped host memory (`head_slots`),
-where the host reads the greedy tokens without a copy in the stream.
+where the host reads the chosen tokens without a copy in the stream. Greedy and plain-temperature
+tokens are chosen on the device (the sampler's settings are one more device array, `sampler`);
+top-k and top-p bring the logits to the host (nanoqwen.sampling).
 
 Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
 buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only
@@ -49,6 +52,7 @@ from .engine import PREFILL_WEIGHTS
 from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
 from .loader import Int4Linear, Model
 from .quant import TILE_ROWS, tile_int4
+from .sampling import GREEDY, SamplingParams, sample
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
@@ -89,7 +93,7 @@ MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6
 CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 PREFILL_CHUNK = 1024  # tokens per prefill pass: bounds the [T, 2 I] fp32 MLP buffer
 # Rows of host memory that argmax_select_next writes each step's state head to (row = position %
-# rows): greedy_tokens reads one step's row while the next step, queued behind it, writes the other.
+# rows): next_tokens reads one step's row while the next step, queued behind it, writes the other.
 HEAD_SLOTS = 2
 NULL = np.uint64(0)  # a null pointer kernel argument
 ACTIVATIONS = ("fp16", "int8")
@@ -191,12 +195,22 @@ def stack_linears(linears: list[Int4Linear]) -> tuple[np.ndarray, np.ndarray, np
             None if biases[0] is None else np.concatenate(biases))
 
 
-def greedy_token_of(head: np.ndarray) -> int:
+def token_of_head(head: np.ndarray) -> int:
     """The token in the head of the decode state (token, position, seq_len, status), or
-    FloatingPointError when the device's greedy argmax flagged the logits, as numpy's does."""
+    FloatingPointError when the device's argmax flagged the logits, as numpy's choice does."""
     if head[STATE_STATUS]:
-        raise FloatingPointError("logits are not finite (the device's greedy argmax saw NaN or +inf, or only -inf)")
+        raise FloatingPointError("logits are not finite (the device's argmax saw NaN or +inf, or only -inf)")
     return int(head[STATE_TOKEN])
+
+
+def sampler_settings(sampling: SamplingParams) -> np.ndarray:
+    """kernels/lm_head.cu's SamplerSettings for `sampling`, as uint32 [4]: key0, key1, then the
+    temperature's float64 bits (all zero: greedy)."""
+    settings = np.zeros(4, dtype=np.uint32)
+    if not sampling.greedy:
+        settings[:2] = sampling.key
+        settings[2:].view(np.float64)[0] = sampling.temperature
+    return settings
 
 
 def mapped_host_array(shape, dtype) -> tuple[np.ndarray, object]:
@@ -450,7 +464,7 @@ class CudaBackend:
         self.seq_len = self.state[STATE_SEQ_LEN : STATE_SEQ_LEN + 1]
         self.page_table = self.state[STATE_PAGE_TABLE:]
         # Each step's new state head, written by argmax_select_next into host memory (mapped, so the
-        # kernel stores to it directly): greedy_tokens reads the tokens from here.
+        # kernel stores to it directly): next_tokens reads the tokens from here.
         self.head_slots, self._head_slots_memory = mapped_host_array((HEAD_SLOTS, STATE_PAGE_TABLE), np.int32)
         self.head_slots[:] = -1
         self.head_slots_address = np.uint64(self.head_slots.ctypes.data)  # the kernel's pointer to them
@@ -467,6 +481,8 @@ class CudaBackend:
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
         self.candidate_values = cp.empty(self.lm_head_blocks, dtype=cp.float32)
         self.candidate_indices = cp.empty(self.lm_head_blocks, dtype=cp.int32)
+        self.sampler = cp.zeros(4, dtype=cp.uint32)  # sampler_settings(): greedy until a request says otherwise
+        self._sampler_holds = sampler_settings(GREEDY)
         self.prefill_start = cp.zeros(1, dtype=cp.int32)
 
     # ------------------------------------------------------------------ launches
@@ -508,10 +524,13 @@ class CudaBackend:
             shared_mem=shared_mem,
         )
 
-    def _lm_head(self) -> None:
+    def _lm_head(self, choose: bool) -> None:
+        """The logits of `normed`; with `choose` (decode) also the candidates for the next token
+        under `sampler`; prefill's last token is chosen on the host from its logits."""
         self.kernels["lm_head_logits"](
             (self.lm_head_blocks,), (LM_HEAD_THREADS,),
-            (self.normed, self.lm_head, self.logits, self.candidate_values, self.candidate_indices),
+            (self.normed, self.lm_head, self.logits, self.candidate_values, self.candidate_indices,
+             *((self.state, self.sampler) if choose else (NULL, NULL))),
         )
 
     def _elementwise_blocks(self, n: int) -> int:
@@ -552,8 +571,8 @@ class CudaBackend:
         """Issue one decode step on `stream` from the inputs in `state`; returns the launch count.
 
         No allocation, no synchronisation, arguments identical on every call: the sequence a
-        CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the greedy
-        token and the advanced position.
+        CUDA graph captures. Afterwards `logits` holds the step's logits and `state` the token that
+        `sampler` chose and the advanced position.
         """
         k = self.kernels
         with stream:
@@ -574,7 +593,7 @@ class CudaBackend:
                 self._project(i, "down", self.mlp_hidden, self.down_out)
                 down = self.down_out
             self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
-            self._lm_head()
+            self._lm_head(choose=True)
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
                 (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
@@ -626,15 +645,15 @@ class CudaBackend:
 
     def forget_step_inputs(self) -> None:
         """Say the device state is unknown, so the next step uploads its inputs (call it after
-        running steps outside `decode`/`decode_greedy`, as the benchmarks do)."""
+        running steps outside `decode`/`decode_next`, as the benchmarks do)."""
         self._device_holds = None
 
     def _step(self, token_id: int, position: int, page_table) -> None:
         """Run one decode step for `token_id` at `position`.
 
-        After a greedy step the device state already holds the chosen token and the next
+        After a step chosen on the device the state already holds that token and the next
         position (argmax_select_next wrote them), so the next step's inputs are uploaded only
-        when they differ: a sampled token, a new request, a different page table. The inputs
+        when they differ: a token chosen on the host, a new request, a different page table. The inputs
         are checked on the host every time, uploaded or not.
         """
         token = int(self._check_tokens(np.array([token_id]))[0])
@@ -652,51 +671,66 @@ class CudaBackend:
     def decode(self, token_id: int, position: int, page_table) -> np.ndarray:
         """One token at `position` (its K/V is written there); logits [vocab] fp32.
 
-        The caller samples the next token itself, so the device's greedy choice is not read
+        The caller samples the next token itself, so the device's choice is not read
         back and the next step uploads its inputs.
         """
         self._step(token_id, position, page_table)
         return self.logits.get(stream=self.stream)
 
-    def decode_greedy(self, token_id: int, position: int, page_table) -> int:
-        """The argmax of `decode`, computed on the device, which stores it in host memory (the token
-        and the status word). Non-finite logits raise FloatingPointError, as numpy's greedy choice does."""
+    def _set_sampler(self, sampling: SamplingParams) -> None:
+        """Put the sampler's settings where lm_head_logits reads them, when they change (one
+        host-to-device copy, ordered before the steps that follow on the stream)."""
+        wanted = sampler_settings(sampling)
+        if not np.array_equal(wanted, self._sampler_holds):
+            self.sampler.set(wanted, stream=self.stream)
+            self._sampler_holds = wanted
+
+    def decode_next(self, token_id: int, position: int, page_table, sampling: SamplingParams = GREEDY) -> int:
+        """The token `sampling` chooses after `decode` at `position`. Greedy and plain temperature
+        choose on the device, which stores the token (and the status word) in host memory; top-k and
+        top-p sample the logits on the host. Non-finite logits raise FloatingPointError, as numpy's
+        choice does."""
+        if sampling.filtered:
+            return sample(self.decode(token_id, position, page_table), sampling, position)
+        self._set_sampler(sampling)
         self._step(token_id, position, page_table)
         self.stream.synchronize()
-        token = self._greedy_token_after(position)
+        token = self._token_after(position)
         self._device_holds = (token, position + 1, self._pending)
         return token
 
-    def _greedy_token_after(self, position: int) -> int:
+    def _token_after(self, position: int) -> int:
         """The token that the finished step at `position` chose, from its row of `head_slots`."""
         head = self.head_slots[position % HEAD_SLOTS]
         if head[STATE_POSITION] != position + 1:  # the row of another step: a bug, never data
             raise RuntimeError(f"the host's head row holds position {head[STATE_POSITION]} where the step at "
                                f"{position} should have left {position + 1}")
-        return greedy_token_of(head)
+        return token_of_head(head)
 
-    def greedy_tokens(self, token_id: int, position: int, page_table, steps: int):
-        """The next `steps` greedy tokens after `token_id` at `position`, each fed back in turn.
+    def next_tokens(self, token_id: int, position: int, page_table, steps: int, sampling: SamplingParams = GREEDY):
+        """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
+        back in turn.
 
-        With the graph, the device advances its own state, so the host need not wait for token k
-        before starting step k + 1: the generator keeps one step queued behind the one it reads.
-        Each step's argmax stores the new state head (token, position, seq_len, status) in host
-        memory itself, row position % HEAD_SLOTS of `head_slots`, so the queued step writes the
-        other row; an event after each step says when its row is there. A device-to-host copy of
-        the head after each step, between two graph launches, cost about 8 us per token on two
-        H200s (results/graph-readback-h200.md). A consumer that stops early leaves at most one extra step
-        computed, at a position inside the `steps` it asked for (the engine reserves their pages),
-        never read.
+        When the device chooses (greedy, plain temperature) and the graph runs, the device advances
+        its own state, so the host need not wait for token k before starting step k + 1: the
+        generator keeps one step queued behind the one it reads. Each step's argmax stores the new
+        state head (token, position, seq_len, status) in host memory itself, row position %
+        HEAD_SLOTS of `head_slots`, so the queued step writes the other row; an event after each step
+        says when its row is there. A device-to-host copy of the head after each step, between two
+        graph launches, cost about 8 us per token on two H200s (results/graph-readback-h200.md). A
+        consumer that stops early leaves at most one extra step computed, at a position inside the
+        `steps` it asked for (the engine reserves their pages), never read.
         """
         if steps <= 0:
             return
-        if not self.use_graph:  # eager launches are the host-cost baseline: one step at a time
+        if sampling.filtered or not self.use_graph:  # the host chooses, or eager launches: one step at a time
             for k in range(steps):
-                token_id = self.decode_greedy(token_id, position + k, page_table)
+                token_id = self.decode_next(token_id, position + k, page_table, sampling)
                 yield token_id
             return
         cp = self._cp
         self._check_positions(position, steps, page_table)  # the whole run, once
+        self._set_sampler(sampling)
         self._step(token_id, position, page_table)  # checks and uploads the first step's inputs, runs it
         graph = self.decode_graph()
         done = [cp.cuda.Event(disable_timing=True) for _ in range(HEAD_SLOTS)]
@@ -707,9 +741,14 @@ class CudaBackend:
                     graph.launch()  # step p + 1 reads the token step p chose, on the device
                     done[(p + 1) % HEAD_SLOTS].record(self.stream)
                 done[p % HEAD_SLOTS].synchronize()
-                yield self._greedy_token_after(p)
+                yield self._token_after(p)
         finally:
             self._device_holds = None  # a step may have run ahead: the next request uploads
+
+    def close(self) -> None:
+        """Wait until no queued step can still store into `head_slots`, whose host memory goes
+        with this backend (Engine.close calls it)."""
+        self.stream.synchronize()
 
     # ------------------------------------------------------------------ prefill
 
@@ -787,7 +826,7 @@ class CudaBackend:
             update = delta
         if last:  # only the prompt's last token needs logits: finish its row alone
             self._add_rmsnorm(residual[t - 1], delta[t - 1], self.final_norm, self.normed, 1)
-            self._lm_head()
+            self._lm_head(choose=False)
 
     def prefill(self, token_ids, start_pos: int, page_table) -> np.ndarray:
         """Write K/V of `token_ids` [T] at start_pos.. into the cache; logits [vocab] of the last."""

@@ -15,7 +15,7 @@ from .config import PAGE_SIZE
 from .kvcache import check_positions, check_tokens, kv_pool_shape
 from .loader import LayerWeights, Model
 from .quant import dequantize_int4
-from .sampling import SamplingParams, sample
+from .sampling import GREEDY, SamplingParams, sample
 
 # fp32 copies of the INT4 weights cost 8x their packed size, of the fp16 lm_head 2x. Below
 # this budget they are made once (a tiny test model decodes in milliseconds); above it (a 7B
@@ -27,7 +27,6 @@ WEIGHT_CACHE_BYTES = 2 * 2**30
 PREFILL_CHUNK = 512
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-GREEDY = SamplingParams()
 
 
 class NumpyBackend:
@@ -119,12 +118,14 @@ class NumpyBackend:
         token_ids, page_table = self._check([token_id], position, page_table)
         return self._forward(token_ids, np.array([position]), page_table)
 
-    def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
-        """argmax of `decode`; non-finite logits raise FloatingPointError, as `sample` does."""
-        return sample(self.decode(token_id, position, page_table), GREEDY, rng=None)
+    def decode_next(self, token_id: int, position: int, page_table: np.ndarray,
+                    sampling: SamplingParams = GREEDY) -> int:
+        """`sample` of `decode`'s logits; non-finite logits raise FloatingPointError."""
+        return sample(self.decode(token_id, position, page_table), sampling, position)
 
-    def greedy_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int):
-        """The next `steps` greedy tokens, one `decode_greedy` call each."""
+    def next_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int,
+                    sampling: SamplingParams = GREEDY):
+        """The next `steps` tokens, one `decode_next` call each."""
         for k in range(steps):
-            token_id = self.decode_greedy(token_id, position + k, page_table)
+            token_id = self.decode_next(token_id, position + k, page_table, sampling)
             yield token_id

@@ -3,8 +3,9 @@
 It reports time to first token, decode ms/token and tokens/s, the bytes one decoded token must
 read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
 decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
-the microseconds of one step go, kernel by kernel. It also times sampled decoding, whose token is
-chosen on the host from the step's logits (`sampled_decode`). With `--baseline` it
+the microseconds of one step go, kernel by kernel. It also times sampled decoding
+(`sampled_decode`): plain temperature draws on the device, top-k and top-p on the host from the
+step's logits. With `--baseline` it
 times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
 """
 
@@ -26,7 +27,8 @@ from .cli import subcommand
 from .config import ModelConfig
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
-# Sampled decoding, timed beside the greedy protocol: the logits come to the host every step.
+# Sampled decoding, timed beside the greedy protocol: plain temperature is drawn in the decode graph,
+# top-k and top-p bring the logits to the host every step (nanoqwen.sampling).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),

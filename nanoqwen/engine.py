@@ -26,7 +26,7 @@ import numpy as np
 from .config import ModelConfig
 from .kvcache import KVCacheFullError, PageAllocator, pages_needed
 from .loader import Model, load
-from .sampling import GenerationError, SamplingParams, sample
+from .sampling import GREEDY, GenerationError, SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
@@ -66,12 +66,15 @@ class Backend(Protocol):
     def decode(self, token_id: int, position: int, page_table: np.ndarray) -> np.ndarray:
         """One token at `position` (reads positions 0..position); fp32 logits [vocab]."""
 
-    def decode_greedy(self, token_id: int, position: int, page_table: np.ndarray) -> int:
-        """argmax of `decode`, without bringing the logits to the host."""
+    def decode_next(self, token_id: int, position: int, page_table: np.ndarray,
+                    sampling: SamplingParams = GREEDY) -> int:
+        """The token `sampling` chooses from `decode`'s logits (`sample` at `position`); a backend
+        may choose it without bringing the logits to the host."""
 
-    def greedy_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int) -> Iterator[int]:
-        """The next `steps` greedy tokens after `token_id` at `position`, each fed back in turn.
-        A backend may compute one step ahead of its consumer (CudaBackend.greedy_tokens)."""
+    def next_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int,
+                    sampling: SamplingParams = GREEDY) -> Iterator[int]:
+        """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
+        back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
 
 
 class BackendUnavailableError(RuntimeError):
@@ -103,6 +106,7 @@ class GenerationResult:
     prefill_seconds: float  # prompt in, first token chosen (time to first token)
     decode_seconds: float  # every later token
     backend: str
+    seed: int | None = None  # the seed that replays a sampled run (drawn at random when none was given)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -309,16 +313,15 @@ class Engine:
             page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
         except KVCacheFullError as e:
             raise GenerationError(f"{e} (other generations still hold pages)") from e
-        backend, sampling, rng = self.backend, request.sampling, request.sampling.rng()
+        backend, sampling = self.backend, request.sampling
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
         finish_reason, timings, upcoming = "length", [0.0, 0.0], None
         try:
             self._check_open()
             start = time.perf_counter()
-            token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, rng)
+            token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, prompt_len - 1)
             timings[0] = time.perf_counter() - start
-            if sampling.greedy:
-                upcoming = backend.greedy_tokens(token, prompt_len, page_table, request.max_new_tokens - 1)
+            upcoming = backend.next_tokens(token, prompt_len, page_table, request.max_new_tokens - 1, sampling)
             for step in range(request.max_new_tokens):
                 if token in request.stop_ids:
                     finish_reason = "stop"
@@ -329,11 +332,7 @@ class Engine:
                     break
                 self._check_open()  # a stream may outlive close(); its backend is gone then
                 start = time.perf_counter()
-                position = prompt_len + step  # where `token` goes in the cache
-                if sampling.greedy:
-                    token = next(upcoming)
-                else:
-                    token = sample(backend.decode(token, position, page_table), sampling, rng)
+                token = next(upcoming)
                 timings[1] += time.perf_counter() - start
             if decoder and (rest := decoder.flush()):
                 yield TokenPiece(None, rest)
@@ -354,6 +353,7 @@ class Engine:
             prefill_seconds=timings[0],
             decode_seconds=timings[1],
             backend=backend.name,
+            seed=sampling.seed,
         )
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,

@@ -1,20 +1,30 @@
 """Choosing the next token from a row of logits: greedy, temperature, top-k, top-p.
 
-Sampling runs on the host in float64: the vocabulary is only ~152k entries, and doing it in
-double precision makes a seeded run reproducible across backends (the backends agree on the
-logits to fp32 rounding, and float64 arithmetic on top adds nothing platform-dependent). It
-costs the decode loop about a millisecond per token: a few passes over the logits, and a sort
-of only the most likely tokens when top-k or top-p asks for an order.
+Every sampled draw is the Gumbel-max trick: the token whose logit plus temperature times a
+Gumbel variable is largest, with one variable per token and step. It draws from the softmax at
+that temperature exactly, needs no normalisation and no order of the tokens, and so it runs where
+the logits are: in the CUDA backend's lm_head kernel, inside the decode graph (kernels/lm_head.cu),
+or here on the host, over the ids that top-k and top-p keep.
+
+The variables come from a counter-based generator, a hash of (seed, position, token id), not from
+a stateful one: both backends compute the same noise for the same step, a seed replays a run, and
+the GPU needs no generator state. The host side works in float64 and rounds each key to float32
+as the kernel does, so the backends choose alike whenever their logits agree to fp32 rounding.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GenerationError", "SamplingParams", "sample"]
+__all__ = ["GREEDY", "GenerationError", "SamplingParams", "gumbel_noise", "sample"]
+
+# The largest temperature accepted. Each key is rounded to float32 (as the kernel's candidates
+# are), and temperature * noise must stay far inside its range; a softmax at 1e30 is uniform anyway.
+MAX_TEMPERATURE = 1e30
 
 
 class GenerationError(ValueError):
@@ -30,7 +40,11 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off.
+
+    A sampled request without a seed gets a random one here, so that every draw has a seed that
+    replays it (`GenerationResult.seed` reports it).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -39,8 +53,8 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t) or t < 0:
-            raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 <= t <= MAX_TEMPERATURE:
+            raise GenerationError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise GenerationError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
         p = self.top_p
@@ -55,24 +69,66 @@ class SamplingParams:
         object.__setattr__(self, "top_p", float(p))
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
+        elif self.temperature > 0:
+            object.__setattr__(self, "seed", secrets.randbits(63))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def rng(self) -> np.random.Generator:
-        """A fresh generator per request: the same seed replays the same choices."""
-        return np.random.default_rng(self.seed)
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k or top-p restricts the draw (they need the logits in order; greedy and
+        plain temperature do not, so the CUDA backend chooses those tokens on the device)."""
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The generator's two 32-bit key words, from the seed (any size) by numpy's SeedSequence."""
+        key0, key1 = np.random.SeedSequence(self.seed or 0).generate_state(2, np.uint32)
+        return int(key0), int(key1)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from `logits` [vocab] under `params`; greedy ignores `rng`.
+GREEDY = SamplingParams()
 
-    The draw is an inverse-CDF draw over the tokens the filters keep, in a fixed order, so a seed
-    replays it. Only the filters need an order by probability: top-k keeps the k most likely
-    tokens, top-p the shortest run of most likely tokens whose mass reaches top_p; ties go to the
-    lower id. Neither needs a sort of token ids over the whole vocabulary, which cost 20 ms per
-    token for 152k logits on a 2-core machine, a dozen decode steps of the 7B on an H200.
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A bijective avalanche of uint32 words (the "lowbias32" constants of C. Wellons' hash
+    prospector); kernels/lm_head.cu's mix32 is the same function."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x21F0AAAD)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x735A2D97)
+    return x ^ (x >> np.uint32(15))
+
+
+def gumbel_noise(key: tuple[int, int], position: int, ids: np.ndarray) -> np.ndarray:
+    """float64 standard Gumbel variables for token `ids` at the step after `position`.
+
+    Two hashes of (key, position, id) give 52 random bits, u = (bits + 1/2) / 2^52 lies strictly
+    inside (0, 1) and exactly in float64, and -log(-log(u)) is Gumbel (|g| < 37). The kernel
+    computes the same bits and the same float64 formula.
+    """
+    u32 = lambda v: np.array([v], dtype=np.uint32)  # arrays wrap on overflow; numpy's scalars warn  # noqa: E731
+    step = _mix32(u32(key[1]) ^ _mix32(u32(key[0]) ^ _mix32(u32(position))))
+    ids = np.asarray(ids, dtype=np.uint32)
+    high = _mix32(_mix32(ids * np.uint32(2)) ^ step).astype(np.uint64)
+    low = _mix32(_mix32(ids * np.uint32(2) + np.uint32(1)) ^ step).astype(np.uint64)
+    bits = (high << np.uint64(20)) | (low >> np.uint64(12))
+    u = (bits.astype(np.float64) + 0.5) * 2.0**-52
+    return -np.log(-np.log(u))
+
+
+def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
+    """One token id from `logits` [vocab], computed at `position`, under `params`.
+
+    Greedy is the argmax. A sampled token is the argmax over the kept ids of
+    float32(logit + temperature * gumbel_noise(seed, position, id)), ties to the lower id: the
+    Gumbel-max trick, whose argmax is that of logit / temperature + noise, the textbook form,
+    which overflows for a tiny temperature. Only the filters need an order by probability: top-k
+    keeps the k most likely tokens, top-p the shortest run of most likely tokens whose mass
+    reaches top_p; ties go to the lower id. Neither sorts the whole vocabulary, which cost 20 ms
+    per token for 152k logits on a 2-core machine.
     """
     if params.greedy:
         best = int(np.argmax(logits))
@@ -83,20 +139,23 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     top = np.max(logits)  # NaN if any logit is NaN
     if not np.isfinite(top):
         raise FloatingPointError(f"logits hold NaN or +inf (max {top}): cannot sample")
-    # Subtract the max before dividing: every scaled logit is then <= 0, so a tiny temperature
-    # (1e-310) sends the others to -inf, not the top one to +inf (and inf - inf = NaN).
-    scaled = logits - top
-    with np.errstate(over="ignore"):
-        scaled /= params.temperature
-    kept = None  # every id, in id order
-    if 0 < params.top_k < scaled.shape[0]:
-        kept = most_likely_first(scaled, None, params.top_k)[: params.top_k]
-    if params.top_p < 1:
-        kept = nucleus(scaled, kept, params.top_p)
-    weights = np.exp(scaled if kept is None else scaled[kept])  # the best weighs exp(0) = 1: no overflow
-    cumulative = np.cumsum(weights)
-    choice = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
-    return choice if kept is None else int(kept[choice])
+    kept = None  # every id
+    if params.filtered:
+        # The filters weigh tokens by probability. Subtract the max before dividing: every scaled
+        # logit is then <= 0, so a tiny temperature (1e-310) sends the others to -inf, not the top
+        # one to +inf (and inf - inf = NaN).
+        scaled = logits - top
+        with np.errstate(over="ignore"):
+            scaled /= params.temperature
+        if 0 < params.top_k < len(scaled):
+            kept = most_likely_first(scaled, None, params.top_k)[: params.top_k]
+        if params.top_p < 1:
+            kept = nucleus(scaled, kept, params.top_p)
+    ids = np.arange(len(logits)) if kept is None else kept
+    keys = logits if kept is None else logits[kept]
+    keys = (keys + params.temperature * gumbel_noise(params.key, position, ids)).astype(np.float32)
+    best = np.flatnonzero(keys == keys.max())  # kept lists ids in any order: the lowest of tied keys
+    return int(ids[best].min())
 
 
 def most_likely_first(scaled: np.ndarray, ids: np.ndarray | None, count: int) -> np.ndarray:

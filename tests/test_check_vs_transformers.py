@@ -136,11 +136,11 @@ def test_reading_an_unwritten_cache_row_fails(models, tmp_path, monkeypatch):
 
 
 def test_greedy_generation_that_ignores_its_logits_fails(models, tmp_path, monkeypatch):
-    def wrong_argmax(self, token_id, position, page_table):
+    def wrong_argmax(self, token_id, position, page_table, sampling=None):
         logits = self.decode(token_id, position, page_table)
         return int(np.argsort(logits)[-2])  # the runner-up
 
-    monkeypatch.setattr(backend_numpy.NumpyBackend, "decode_greedy", wrong_argmax)
+    monkeypatch.setattr(backend_numpy.NumpyBackend, "decode_next", wrong_argmax)
     code, report = run_tool(models["untied"], tmp_path)
     assert code == 1
     assert len(report["failures"]) == 1 and "Engine.generate's token 1" in report["failures"][0]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nanoqwen.engine import Engine, cuda_available
+from nanoqwen.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,6 +56,18 @@ def test_greedy_tokens_match_the_numpy_backend(engines, prompt):
     want = numpy_engine.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
     got = cuda.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8, seed=11), dict(temperature=1.5, seed=12),
+                                      dict(temperature=0.8, top_k=20, top_p=0.9, seed=13)])
+def test_sampled_tokens_match_the_numpy_backend(engines, sampling):
+    """Plain temperature is drawn on the device (in the graph), top-k and top-p on the host; both
+    draw what the numpy backend draws from the same seed (nanoqwen.sampling)."""
+    cuda, numpy_engine = engines
+    want = numpy_engine.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)
+    got = cuda.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)
+    assert got.token_ids == want.token_ids and got.seed == want.seed == sampling["seed"]
+    assert got.token_ids != cuda.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[]).token_ids
 
 
 def test_launch_count_is_fixed(engines):
@@ -115,33 +128,40 @@ def test_non_finite_logits_raise_in_graph_greedy_decode(engines):
     saved = lm_head[row].copy()
     try:
         token = int(np.argmax(backend.prefill(ids, 0, pages)))
-        token = backend.decode_greedy(token, len(ids), pages)  # clean: fine
+        token = backend.decode_next(token, len(ids), pages)  # clean: fine
         lm_head[row, 3] = np.float16(np.nan)
         with pytest.raises(FloatingPointError, match="not finite"):
-            backend.decode_greedy(token, len(ids) + 1, pages)
+            backend.decode_next(token, len(ids) + 1, pages)
         lm_head[row] = saved
-        backend.decode_greedy(token, len(ids) + 1, pages)  # status cleared by the next upload
+        backend.decode_next(token, len(ids) + 1, pages)  # status cleared by the next upload
     finally:
         lm_head[row] = saved
         cuda.allocator.free(pages)
 
 
 def test_pipelined_greedy_tokens_equal_step_by_step(engines):
-    """CudaBackend.greedy_tokens keeps one step queued ahead of the one it reads; the tokens must
-    be those of one decode_greedy call per step."""
+    """CudaBackend.next_tokens keeps one step queued ahead of the one it reads; the tokens must
+    be those of one decode_next call per step."""
     cuda, _ = engines
     backend = cuda.backend
     ids = np.array(cuda.tokenizer.encode(PROMPTS[1]), dtype=np.int32)
     pages = cuda.allocator.allocate(4)
     try:
         first = int(np.argmax(backend.prefill(ids, 0, pages)))
-        ahead = list(backend.greedy_tokens(first, len(ids), pages, 40))
+        ahead = list(backend.next_tokens(first, len(ids), pages, 40))
         first = int(np.argmax(backend.prefill(ids, 0, pages)))
         one_by_one, token = [], first
         for k in range(40):
-            token = backend.decode_greedy(token, len(ids) + k, pages)
+            token = backend.decode_next(token, len(ids) + k, pages)
             one_by_one.append(token)
         assert ahead == one_by_one
+        params = SamplingParams(temperature=1.0, seed=5)  # the same for tokens the device samples
+        ahead = list(backend.next_tokens(first, len(ids), pages, 40, params))
+        one_by_one, token = [], first
+        for k in range(40):
+            token = backend.decode_next(token, len(ids) + k, pages, params)
+            one_by_one.append(token)
+        assert ahead == one_by_one and ahead != list(backend.next_tokens(first, len(ids), pages, 40))
     finally:
         cuda.allocator.free(pages)
 

@@ -352,7 +352,7 @@ def test_pages_are_freed_when_a_stream_is_closed_dropped_or_fails(engine, monkey
     def broken_decode(*args):
         raise FloatingPointError("simulated device failure")
 
-    monkeypatch.setattr(engine.backend, "decode_greedy", broken_decode)
+    monkeypatch.setattr(engine.backend, "decode_next", broken_decode)
     with pytest.raises(GenerationError, match="inspect --verify"):
         engine.generate("x", max_new_tokens=5)
     assert all_pages_free(engine)

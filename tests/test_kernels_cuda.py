@@ -29,6 +29,7 @@ from nanoqwen import ops_numpy as ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
+from nanoqwen.sampling import SamplingParams, gumbel_noise, sample
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.gpu
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
     QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
+    sampler_settings,
     projection_splits,
 )
 
@@ -377,7 +379,7 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     blocks = persistent_blocks(lm_head, LM_HEAD_THREADS, num_sms()) if grid == "persistent" else 7
     logits = poisoned(v, cp.float32)
     values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
-    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
+    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices, NULL, NULL))
     state = cp.asarray([123, 40, 41, 9, 5, 6, 7], dtype=cp.int32)  # token, position, seq_len, status, pages
     slots, memory = mapped_host_array((16, 4), np.int32)  # host rows for the heads: position 40 goes to row 8
     slots[:] = -7
@@ -396,6 +398,44 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     np.testing.assert_array_equal(slots[8], [twin, 41, 42, 0])  # the host sees the new head, unasked
     assert (np.delete(slots, 8, axis=0) == -7).all()  # in that row alone
     assert int(np.argmax(result)) == twin
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("temperature", [1e-30, 0.4, 1.0, 8.0])
+def test_lm_head_samples_the_tokens_numpy_samples(config_name, temperature):
+    """The device's Gumbel-max draw against nanoqwen.sampling.sample on the device's own logits:
+    the same noise from the same (seed, position, id), the same float32 keys, the same token. At
+    temperature 8 the noise decides most draws, so they check the hash bit for bit; 1e-30 must be
+    the argmax."""
+    c = CONFIGS[config_name]
+    v, h = c.vocab_size, c.hidden_size
+    rng = np.random.default_rng([v, int(temperature * 1000)])
+    weight = (0.02 * cp.random.standard_normal((v, h), dtype=cp.float32)).astype(cp.float16)
+    lm_head, select = kernel(config_name, "lm_head_logits"), kernel(config_name, "argmax_select_next")
+    blocks = persistent_blocks(lm_head, LM_HEAD_THREADS, num_sms())
+    logits = poisoned(v, cp.float32)
+    values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
+    drawn = []
+    for trial in range(12):
+        x = rng.standard_normal(h, dtype=np.float32).astype(np.float16)
+        params = SamplingParams(temperature=temperature, seed=int(rng.integers(0, 2**63)))
+        position = int(rng.integers(0, 40_000))
+        state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
+        sampler = cp.asarray(sampler_settings(params))
+        lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices, state, sampler))
+        select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1)))
+        token, result = int(state[0].get()), logits.get()
+        want = sample(result, params, position)
+        assert int(state[3].get()) == 0 and int(state[1].get()) == position + 1
+        if token != want:  # only a tie of float32 keys may part them, at the host's float64 log's last bit
+            keys = (result.astype(np.float64)[[token, want]]
+                    + temperature * gumbel_noise(params.key, position, [token, want])).astype(np.float32)
+            assert abs(keys[0] - keys[1]) <= np.spacing(np.abs(keys).max()), f"trial {trial}: device chose {token}, numpy {want}"
+        drawn.append(token == int(np.argmax(result)))
+    if temperature == 1e-30:
+        assert all(drawn)
+    if temperature == 8.0:
+        assert sum(drawn) <= 3  # the noise, not the logits, decides a near-uniform draw
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf everywhere"])
@@ -420,7 +460,7 @@ def test_greedy_argmax_flags_non_finite_logits(poison):
     blocks = persistent_blocks(lm_head, LM_HEAD_THREADS, num_sms())
     logits = poisoned(v, cp.float32)
     values, indices = poisoned(blocks, cp.float32), cp.full(blocks, -1, dtype=cp.int32)
-    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices))
+    lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices, NULL, NULL))
     if poison == "-inf everywhere":  # no weights give -inf logits: feed the reduction directly
         values[:] = -np.inf
     state = cp.asarray([1, 2, 3, 0, 4], dtype=cp.int32)
@@ -587,7 +627,7 @@ def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):
     first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
     host_driven, token = [], first
     for position in range(14, 20):
-        token = gpu.decode_greedy(token, position, page_table)
+        token = gpu.decode_next(token, position, page_table)
         host_driven.append(token)
 
     gpu.prefill(prompt, 0, page_table)
@@ -613,9 +653,9 @@ def test_decode_step_replays_as_a_cuda_graph(tiny_model):
     page_table = rng.permutation(8)[:4].astype(np.int32)
     prompt = rng.integers(0, c.vocab_size, 9)
     first = int(np.argmax(gpu.prefill(prompt, 0, page_table)))
-    eager = [gpu.decode_greedy(first, 9, page_table)]
+    eager = [gpu.decode_next(first, 9, page_table)]
     for position in range(10, 14):
-        eager.append(gpu.decode_greedy(eager[-1], position, page_table))
+        eager.append(gpu.decode_next(eager[-1], position, page_table))
 
     stream = gpu.stream
     with stream:

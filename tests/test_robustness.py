@@ -121,7 +121,7 @@ def test_numpy_greedy_decode_raises_like_sample_on_nan(engine):
         backend.prefill(np.array([1, 2, 3]), 0, pages)
         backend.kv_pool[...] = np.nan  # every cached row is NaN: attention, then the logits, follow
         with pytest.raises(FloatingPointError, match="not finite"):
-            backend.decode_greedy(4, 3, pages)
+            backend.decode_next(4, 3, pages)
     finally:
         engine.allocator.free(pages)
         backend.kv_pool[...] = 0
@@ -287,7 +287,7 @@ def test_numpy_backend_refuses_what_the_cuda_backend_refuses(model):
         (lambda: backend.decode(1, 64, pages), "outside 0..63"),
         (lambda: backend.decode(1, 0, pages.astype(np.float32)), "integer array"),
         (lambda: backend.decode(1, 0, np.array([1, 1])), "twice"),
-        (lambda: backend.decode_greedy(1, 16, pages[:1]), "need 2 pages"),
+        (lambda: backend.decode_next(1, 16, pages[:1]), "need 2 pages"),
     ]:
         with pytest.raises(ValueError, match=match):
             call()

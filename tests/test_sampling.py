@@ -1,4 +1,4 @@
-"""Sampling: argument checks, the filters, reproducibility, and the distribution it draws from."""
+"""Sampling: argument checks, the noise, the filters, reproducibility, and the distribution it draws from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen.sampling import GenerationError, SamplingParams, most_likely_first, nucleus, sample
+from nanoqwen.sampling import MAX_TEMPERATURE, GenerationError, SamplingParams, gumbel_noise, most_likely_first, nucleus, sample
 
 LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
 
@@ -19,6 +19,7 @@ LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
     (dict(temperature=float("inf")), "temperature"),
     (dict(temperature="0.7"), "temperature"),
     (dict(temperature=True), "temperature"),
+    (dict(temperature=MAX_TEMPERATURE * 2), "temperature"),
     (dict(top_k=-1), "top_k"),
     (dict(top_k=2.0), "top_k"),
     (dict(top_p=0.0), "top_p"),
@@ -35,20 +36,48 @@ def test_nonsense_is_refused(kwargs, field):
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     params = SamplingParams()
-    assert params.greedy and sample(logits, params, params.rng()) == int(np.argmax(logits))
+    assert params.greedy and sample(logits, params, 0) == int(np.argmax(logits))
 
 
 def test_filters_that_leave_one_token_are_greedy():
     logits = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
     for params in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
-        rng = params.rng()
-        assert {sample(logits, params, rng) for _ in range(50)} == {int(np.argmax(logits))}
+        assert {sample(logits, params, position) for position in range(50)} == {int(np.argmax(logits))}
 
 
 def frequencies(params: SamplingParams, draws: int = 20000) -> np.ndarray:
-    rng = np.random.default_rng(0)
-    counts = np.bincount([sample(LOGITS, params, rng) for _ in range(draws)], minlength=len(LOGITS))
+    """How often each token is drawn over `draws` consecutive positions of one seeded request."""
+    counts = np.bincount([sample(LOGITS, params, position) for position in range(draws)], minlength=len(LOGITS))
     return counts / draws
+
+
+def test_the_noise_is_standard_gumbel_and_fresh_at_every_step():
+    ids = np.arange(200_000)
+    g = gumbel_noise((1, 2), 5, ids)
+    assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.var() - np.pi**2 / 6) < 0.02
+    u = np.sort(np.exp(-np.exp(-g)))  # the Gumbel CDF maps it back to uniform
+    assert np.abs(u - (ids + 0.5) / len(ids)).max() < 0.005  # Kolmogorov-Smirnov distance
+    others = [gumbel_noise((1, 2), 6, ids), gumbel_noise((1, 3), 5, ids), gumbel_noise((2, 2), 5, ids)]
+    assert all(abs(np.corrcoef(g, other)[0, 1]) < 0.01 for other in others)
+    assert np.array_equal(g, gumbel_noise((1, 2), 5, ids))
+
+
+def test_the_noise_is_pinned():
+    """kernels/lm_head.cu computes the same bits: a change here must change it too."""
+    np.testing.assert_allclose(gumbel_noise((1, 2), 5, [0, 1, 151_935]),
+                               [0.698971611093303, 1.298440846351032, -0.05934754962130213], rtol=1e-15)
+
+
+def test_seeds_draw_from_the_softmax_at_one_position():
+    counts = np.bincount([sample(LOGITS, SamplingParams(temperature=1.0, seed=seed), 7) for seed in range(20000)],
+                         minlength=len(LOGITS))
+    np.testing.assert_allclose(counts / 20000, [0.4, 0.3, 0.2, 0.1], atol=0.015)
+
+
+def test_a_request_without_a_seed_gets_one():
+    a, b = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)
+    assert a.seed is not None and a.seed != b.seed
+    assert SamplingParams().seed is None  # greedy draws nothing
 
 
 def test_temperature_one_draws_from_the_softmax():
@@ -73,8 +102,7 @@ def test_top_k_and_top_p_renormalize_what_they_keep():
 def test_masked_logits_are_never_drawn():
     logits = np.array([0.0, -np.inf, 0.0, -np.inf], np.float32)
     params = SamplingParams(temperature=1.0)
-    rng = params.rng()
-    assert {sample(logits, params, rng) for _ in range(200)} == {0, 2}
+    assert {sample(logits, params, position) for position in range(200)} == {0, 2}
 
 
 def test_seed_replays_the_same_draws():
@@ -82,8 +110,7 @@ def test_seed_replays_the_same_draws():
 
     def run(seed):
         params = SamplingParams(temperature=1.0, top_k=100, top_p=0.9, seed=seed)
-        rng = params.rng()
-        return [sample(logits, params, rng) for _ in range(30)]
+        return [sample(logits, params, position) for position in range(30)]
 
     assert run(3) == run(3) and run(3) != run(4)
 
@@ -91,16 +118,16 @@ def test_seed_replays_the_same_draws():
 def test_nan_logits_raise():
     logits = np.array([0.0, np.nan, 1.0], np.float32)
     with pytest.raises(FloatingPointError):
-        sample(logits, SamplingParams(), None)
+        sample(logits, SamplingParams(), 0)
     with pytest.raises(FloatingPointError):
-        sample(logits, SamplingParams(temperature=1.0), np.random.default_rng(0))
+        sample(logits, SamplingParams(temperature=1.0), 0)
 
 
 def test_tiny_temperature_is_greedy_without_overflow():
     logits = np.array([1.0, 3.0, 2.0, 2.999], np.float32)
-    rng = np.random.default_rng(0)
     with np.errstate(invalid="raise"):  # an inf - inf on the way would be a NaN
-        picks = {sample(logits, SamplingParams(temperature=1e-310), rng) for _ in range(20)}
+        picks = {sample(logits, params, position) for params in (SamplingParams(temperature=1e-310),
+                 SamplingParams(temperature=1e-310, top_k=3, top_p=0.5)) for position in range(20)}
     assert picks == {1}
 
 
@@ -109,7 +136,7 @@ def test_numpy_integer_arguments_become_python_numbers():
     assert (type(params.temperature), type(params.top_k), type(params.top_p), type(params.seed)) == (float, int, float, int)
     assert params.top_k == 2 and params.seed == 7
     logits = np.array([0.0, 5.0, 4.9, -3.0])
-    draws = [sample(logits, params, params.rng()) for _ in range(5)]
+    draws = [sample(logits, params, position) for position in range(5)]
     assert set(draws) <= {1, 2}
     for bad in (dict(top_k=np.int64(-1)), dict(seed=np.int8(-2)), dict(top_k=np.float64(2)), dict(seed=np.bool_(True))):
         with pytest.raises(GenerationError):
@@ -118,9 +145,9 @@ def test_numpy_integer_arguments_become_python_numbers():
 
 def test_infinite_logits_raise():
     with pytest.raises(FloatingPointError):
-        sample(np.array([0.0, np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
+        sample(np.array([0.0, np.inf]), SamplingParams(temperature=0.7), 0)
     with pytest.raises(FloatingPointError):
-        sample(np.array([-np.inf, -np.inf]), SamplingParams(temperature=0.7), np.random.default_rng(0))
+        sample(np.array([-np.inf, -np.inf]), SamplingParams(temperature=0.7), 0)
 
 
 def full_sort(scaled: np.ndarray) -> np.ndarray:

@@ -34,9 +34,10 @@ sys.path.insert(0, str(REPO))
 from nanoqwen import cuda_build  # noqa: E402
 from nanoqwen.backend_cuda import (  # noqa: E402
     GATE_UP_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits,
-    persistent_blocks,
+    persistent_blocks, sampler_settings,
 )
 from nanoqwen.quant import tile_int4  # noqa: E402
+from nanoqwen.sampling import SamplingParams  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
@@ -162,7 +163,9 @@ def l2_probe(cp, module, l2_bytes, num_sms, config) -> list[str]:
     return lines
 
 
-def bench_lm_head(cp, module, num_sms, config):
+def bench_lm_head(cp, module, num_sms, config, temperature: float = 0.0):
+    """The lm_head and its per-block candidates: greedy, or with the sampler's Gumbel noise at
+    `temperature` (nanoqwen.sampling), which each warp computes while its row's loads are in flight."""
     v, h = config.vocab_size, config.hidden_size
     weight = (0.02 * cp.random.standard_normal((v, h), dtype=cp.float32)).astype(cp.float16)
     x = cp.random.standard_normal(h, dtype=cp.float32).astype(cp.float16)
@@ -170,12 +173,15 @@ def bench_lm_head(cp, module, num_sms, config):
     blocks = persistent_blocks(function, LM_HEAD_THREADS, num_sms)
     logits = cp.empty(v, dtype=cp.float32)
     values, indices = cp.empty(blocks, dtype=cp.float32), cp.empty(blocks, dtype=cp.int32)
+    state = cp.asarray([0, 600, 601, 0, 0], dtype=cp.int32)
+    sampler = cp.asarray(sampler_settings(SamplingParams(temperature=temperature, seed=1)))
 
     def launch(_):
-        function((blocks,), (LM_HEAD_THREADS,), (x, weight, logits, values, indices))
+        function((blocks,), (LM_HEAD_THREADS,), (x, weight, logits, values, indices, state, sampler))
 
     seconds = median_launch_seconds(cp, launch, 1)  # 1.09 GB: far larger than L2 already
-    return dict(name="lm_head (fp16) + argmax stage 1", shape=f"{v}x{h}", config=f"{blocks} blocks x {LM_HEAD_THREADS}",
+    name = "lm_head (fp16) + argmax stage 1" + (f", sampling at temperature {temperature}" if temperature else "")
+    return dict(name=name, shape=f"{v}x{h}", config=f"{blocks} blocks x {LM_HEAD_THREADS}",
                 seconds=seconds, bytes=v * h * 2 + h * 2 + v * 4 + blocks * 8)
 
 
@@ -242,6 +248,7 @@ def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False)
         bench_gemv(cp, module, l2_bytes, num_sms, "gate+up, SwiGLU fused", "gemv_int4_gate_up_silu", i, h, False),
         bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", h, i, False),
         bench_lm_head(cp, module, num_sms, config),
+        bench_lm_head(cp, module, num_sms, config, temperature=0.7),
         bench_rmsnorm(cp, module, l2_bytes, config, 1),
         bench_rmsnorm(cp, module, l2_bytes, config, 8192),
     ]

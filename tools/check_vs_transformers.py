@@ -18,7 +18,7 @@ quantization.
    teacher-forced (each step gets transformers' token, so one near-tie cannot derail the rest),
    into a page table shuffled over the pool (4096 positions, as the engine's default), whose
    every row is first poisoned with NaN, so a read of a row no token wrote shows up.
-3. `Engine.generate` (the path users run: on CUDA, `decode_greedy`'s device-side argmax) must
+3. `Engine.generate` (the path users run: on CUDA, `decode_next`'s device-side argmax) must
    pick the tokens the engine's own teacher-forced logits pick, for as long as its inputs
    are the same ones: up to and including the first step where the engine and transformers
    choose differently.

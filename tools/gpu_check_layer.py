@@ -77,7 +77,7 @@ def exercise(model_path: str, attention_name: str) -> None:
     logits = backend.prefill(rng.integers(0, model.config.vocab_size, 19), 0, page_table)
     token = int(np.argmax(logits))
     for position in range(19, 22):
-        token = backend.decode_greedy(token, position, page_table)
+        token = backend.decode_next(token, position, page_table)
     backend.decode(token, 22, page_table)
     print(f"exercised: attention {type(backend.attention).__name__}, {backend.launches_per_token} launches per token")
 
