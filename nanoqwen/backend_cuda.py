@@ -18,7 +18,7 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
       gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
       gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
     add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax of the sampler's keys),
-    argmax_select_next
+    argmax_select_next (+ top-k and top-p, when the sampler has them)
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
 add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
@@ -29,9 +29,9 @@ page table) live in one device int32 array, `state`, which the host sets with on
 which argmax_select_next advances. So a decode step allocates nothing, waits for nothing and
 passes the same arguments every time: one CUDA graph can capture it and serve every token.
 argmax_select_next also stores each step's new state head in mapped host memory (`head_slots`),
-where the host reads the chosen tokens without a copy in the stream. Greedy and plain-temperature
-tokens are chosen on the device (the sampler's settings are one more device array, `sampler`);
-top-k and top-p bring the logits to the host (nanoqwen.sampling).
+where the host reads the chosen tokens without a copy in the stream. The device chooses greedy and
+sampled tokens (the sampler's settings are one more device array, `sampler`), unless a top-p comes
+without a top-k or a top-k above TOP_K_MAX: those bring the logits to the host (nanoqwen.sampling).
 
 Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
 buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only
@@ -62,6 +62,7 @@ GATE_UP_MAX_SPLITS = 4  # warps of a gate+up block (kernels/gemv_int4.cu GATE_UP
 GATE_UP_SPLITS = 2
 LM_HEAD_THREADS = 256
 ARGMAX_THREADS = 1024
+TOP_K_MAX = ARGMAX_THREADS  # the largest top-k argmax_select_next applies (kernels/lm_head.cu)
 ELEMENTWISE_THREADS = 256
 RMS_CLUSTER = 8  # blocks of add_rmsnorm_cluster's clusters (kernels/rmsnorm.cu)
 # Split K so that each SM gets about this many GEMV warps (each keeps 7 groups, 7 KB, of weights
@@ -203,13 +204,27 @@ def token_of_head(head: np.ndarray) -> int:
     return int(head[STATE_TOKEN])
 
 
-def sampler_settings(sampling: SamplingParams) -> np.ndarray:
-    """kernels/lm_head.cu's SamplerSettings for `sampling`, as uint32 [4]: key0, key1, then the
-    temperature's float64 bits (all zero: greedy)."""
-    settings = np.zeros(4, dtype=np.uint32)
+def device_top_k(sampling: SamplingParams, vocab_size: int) -> int | None:
+    """The top-k that the device applies for `sampling` (0: none), or None when the host must
+    choose: a top-p without a top-k (its run may span the vocabulary), or a top-k above TOP_K_MAX."""
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0  # sample() ignores k >= vocab
+    if top_k == 0:
+        return 0 if sampling.top_p == 1 else None
+    return top_k if top_k <= TOP_K_MAX else None
+
+
+def sampler_settings(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
+    """kernels/lm_head.cu's SamplerSettings for `sampling`, as uint32 [8]: key0, key1, the
+    temperature's float64 bits, top_k, an unused word, top_p's float64 bits (all zero: greedy)."""
+    settings = np.zeros(8, dtype=np.uint32)
     if not sampling.greedy:
+        top_k = device_top_k(sampling, vocab_size)
+        if top_k is None:
+            raise ValueError(f"{sampling} is drawn on the host (device_top_k)")
         settings[:2] = sampling.key
-        settings[2:].view(np.float64)[0] = sampling.temperature
+        settings[2:4].view(np.float64)[0] = sampling.temperature
+        settings[4] = top_k
+        settings[6:8].view(np.float64)[0] = sampling.top_p
     return settings
 
 
@@ -481,8 +496,8 @@ class CudaBackend:
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
         self.candidate_values = cp.empty(self.lm_head_blocks, dtype=cp.float32)
         self.candidate_indices = cp.empty(self.lm_head_blocks, dtype=cp.int32)
-        self.sampler = cp.zeros(4, dtype=cp.uint32)  # sampler_settings(): greedy until a request says otherwise
-        self._sampler_holds = sampler_settings(GREEDY)
+        self._sampler_holds = sampler_settings(GREEDY, c.vocab_size)  # greedy until a request says otherwise
+        self.sampler = cp.asarray(self._sampler_holds)
         self.prefill_start = cp.zeros(1, dtype=cp.int32)
 
     # ------------------------------------------------------------------ launches
@@ -597,7 +612,7 @@ class CudaBackend:
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
                 (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
-                 self.head_slots_address, np.int32(HEAD_SLOTS)),
+                 self.head_slots_address, np.int32(HEAD_SLOTS), self.logits, self.sampler),
             )
         return self.launches_per_token
 
@@ -677,22 +692,23 @@ class CudaBackend:
         self._step(token_id, position, page_table)
         return self.logits.get(stream=self.stream)
 
-    def _set_sampler(self, sampling: SamplingParams) -> None:
-        """Put the sampler's settings where lm_head_logits reads them, when they change (one
-        host-to-device copy, ordered before the steps that follow on the stream)."""
-        wanted = sampler_settings(sampling)
+    def set_sampler(self, sampling: SamplingParams) -> None:
+        """Put the sampler's settings where the decode step's last two kernels read them, when they
+        change (one host-to-device copy, ordered before the steps that follow on the stream). The
+        engine's requests set them; a benchmark of bare steps sets GREEDY first."""
+        wanted = sampler_settings(sampling, self.config.vocab_size)
         if not np.array_equal(wanted, self._sampler_holds):
             self.sampler.set(wanted, stream=self.stream)
             self._sampler_holds = wanted
 
     def decode_next(self, token_id: int, position: int, page_table, sampling: SamplingParams = GREEDY) -> int:
-        """The token `sampling` chooses after `decode` at `position`. Greedy and plain temperature
-        choose on the device, which stores the token (and the status word) in host memory; top-k and
-        top-p sample the logits on the host. Non-finite logits raise FloatingPointError, as numpy's
-        choice does."""
-        if sampling.filtered:
+        """The token `sampling` chooses after `decode` at `position`. The device chooses it (greedy,
+        temperature, a top-k of at most TOP_K_MAX with or without top-p) and stores it (and the status
+        word) in host memory; otherwise the host samples the logits. Non-finite logits raise
+        FloatingPointError, as numpy's choice does."""
+        if device_top_k(sampling, self.config.vocab_size) is None:
             return sample(self.decode(token_id, position, page_table), sampling, position)
-        self._set_sampler(sampling)
+        self.set_sampler(sampling)
         self._step(token_id, position, page_table)
         self.stream.synchronize()
         token = self._token_after(position)
@@ -711,7 +727,7 @@ class CudaBackend:
         """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
         back in turn.
 
-        When the device chooses (greedy, plain temperature) and the graph runs, the device advances
+        When the device chooses (decode_next says when) and the graph runs, the device advances
         its own state, so the host need not wait for token k before starting step k + 1: the
         generator keeps one step queued behind the one it reads. Each step's argmax stores the new
         state head (token, position, seq_len, status) in host memory itself, row position %
@@ -723,14 +739,15 @@ class CudaBackend:
         """
         if steps <= 0:
             return
-        if sampling.filtered or not self.use_graph:  # the host chooses, or eager launches: one step at a time
+        if device_top_k(sampling, self.config.vocab_size) is None or not self.use_graph:
+            # the host chooses, or eager launches: one step at a time
             for k in range(steps):
                 token_id = self.decode_next(token_id, position + k, page_table, sampling)
                 yield token_id
             return
         cp = self._cp
         self._check_positions(position, steps, page_table)  # the whole run, once
-        self._set_sampler(sampling)
+        self.set_sampler(sampling)
         self._step(token_id, position, page_table)  # checks and uploads the first step's inputs, runs it
         graph = self.decode_graph()
         done = [cp.cuda.Event(disable_timing=True) for _ in range(HEAD_SLOTS)]

@@ -4,8 +4,8 @@ It reports time to first token, decode ms/token and tokens/s, the bytes one deco
 read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
 decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
 the microseconds of one step go, kernel by kernel. It also times sampled decoding
-(`sampled_decode`): plain temperature draws on the device, top-k and top-p on the host from the
-step's logits. With `--baseline` it
+(`sampled_decode`): temperature and top-k (with top-p or not) draw on the device, a top-p alone on
+the host from the step's logits. With `--baseline` it
 times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
 """
 
@@ -25,13 +25,16 @@ import numpy as np
 
 from .cli import subcommand
 from .config import ModelConfig
+from .sampling import GREEDY
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
-# Sampled decoding, timed beside the greedy protocol: plain temperature is drawn in the decode graph,
-# top-k and top-p bring the logits to the host every step (nanoqwen.sampling).
+# Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
+# drawn in the decode graph; a top-p alone brings the logits to the host every step
+# (nanoqwen.backend_cuda.device_top_k).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
+    "temperature 0.7, top-k 40, top-p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
     "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95),
 }
 
@@ -343,6 +346,7 @@ def _step_costs(engine, ids: list[int], pages: int):
     from .cuda_graph import step_timeline
 
     backend, prompt_tokens = engine.backend, len(ids)
+    backend.set_sampler(GREEDY)  # the protocol's step, whatever an earlier request drew with
     page_table = engine.allocator.allocate(pages)
     try:
         backend.prefill(np.array(ids, dtype=np.int32), 0, page_table)

@@ -227,7 +227,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"[{len(result.token_ids)} tokens, finished by {result.finish_reason}; prompt {len(result.prompt_token_ids)} "
         f"tokens in {result.prefill_seconds * 1e3:.1f} ms; decode {result.decode_tokens_per_second:.1f} tokens/s "
-        f"on {result.backend}]",
+        f"on {result.backend}" + (f"; --seed {result.seed} replays it" if result.seed is not None else "") + "]",
         file=sys.stderr,
     )
     return 0

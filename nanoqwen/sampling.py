@@ -3,8 +3,9 @@
 Every sampled draw is the Gumbel-max trick: the token whose logit plus temperature times a
 Gumbel variable is largest, with one variable per token and step. It draws from the softmax at
 that temperature exactly, needs no normalisation and no order of the tokens, and so it runs where
-the logits are: in the CUDA backend's lm_head kernel, inside the decode graph (kernels/lm_head.cu),
-or here on the host, over the ids that top-k and top-p keep.
+the logits are: in the CUDA backend's decode graph (kernels/lm_head.cu, which also applies a
+top-k of up to 1024 tokens and a top-p among them), or here on the host, over the ids that top-k
+and top-p keep.
 
 The variables come from a counter-based generator, a hash of (seed, position, token id), not from
 a stateful one: both backends compute the same noise for the same step, a seed replays a run, and
@@ -78,8 +79,7 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """Whether top-k or top-p restricts the draw (they need the logits in order; greedy and
-        plain temperature do not, so the CUDA backend chooses those tokens on the device)."""
+        """Whether top-k or top-p restricts the draw: they need the tokens in order of probability."""
         return self.top_k > 0 or self.top_p < 1
 
     @property

@@ -15,6 +15,7 @@ from nanoqwen.engine import Engine
 
 SETTINGS = {"greedy": {}, "temperature 0.7": dict(temperature=0.7),
             "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
+            "temperature 0.7, top-k 40, top-p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
             "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95)}
 label, out, path = sys.argv[1:4]
 greedy_only = sys.argv[4:] == ["greedy"]

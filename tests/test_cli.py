@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -60,7 +61,10 @@ def test_generate_sampling_chat_and_fim_flags(capsys, model_path):
     common = ["--max-new-tokens", 6, "--backend", "numpy"]
     a = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, *common)
     b = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, *common)
-    assert a[0] == 0 and a[1] == b[1]
+    assert a[0] == 0 and a[1] == b[1] and "--seed 3 replays it" in a[2]
+    unseeded = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, *common)
+    seed = re.search(r"--seed (\d+) replays it", unseeded[2]).group(1)  # a run without a seed says which it drew
+    assert run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--seed", seed, *common)[1] == unseeded[1]
     assert run(capsys, "generate", model_path, "hi", "--chat", *common)[0] == 0
     assert run(capsys, "generate", model_path, "def f(", "--fim-suffix", "):\n    pass", *common)[0] == 0
 

@@ -59,10 +59,11 @@ def test_greedy_tokens_match_the_numpy_backend(engines, prompt):
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.8, seed=11), dict(temperature=1.5, seed=12),
-                                      dict(temperature=0.8, top_k=20, top_p=0.9, seed=13)])
+                                      dict(temperature=0.8, top_k=20, top_p=0.9, seed=13),
+                                      dict(temperature=0.8, top_k=40, seed=14), dict(temperature=0.8, top_p=0.9, seed=15)])
 def test_sampled_tokens_match_the_numpy_backend(engines, sampling):
-    """Plain temperature is drawn on the device (in the graph), top-k and top-p on the host; both
-    draw what the numpy backend draws from the same seed (nanoqwen.sampling)."""
+    """Temperature and top-k (with top-p or not) are drawn on the device, in the graph; a top-p alone
+    on the host. Both draw what the numpy backend draws from the same seed (nanoqwen.sampling)."""
     cuda, numpy_engine = engines
     want = numpy_engine.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)
     got = cuda.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)

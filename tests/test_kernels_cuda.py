@@ -29,7 +29,7 @@ from nanoqwen import ops_numpy as ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
-from nanoqwen.sampling import SamplingParams, gumbel_noise, sample
+from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, sample
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -37,8 +37,7 @@ pytestmark = pytest.mark.gpu
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
     QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
-    sampler_settings,
-    projection_splits,
+    TOP_K_MAX, projection_splits, sampler_settings,
 )
 
 ODD = ModelConfig(
@@ -384,7 +383,8 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     slots, memory = mapped_host_array((16, 4), np.int32)  # host rows for the heads: position 40 goes to row 8
     slots[:] = -7
     kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state,
-                                                                        np.uint64(slots.ctypes.data), np.int32(16)))
+                                                                        np.uint64(slots.ctypes.data), np.int32(16),
+                                                                        logits, NULL))
     cp.cuda.get_current_stream().synchronize()
 
     result = logits.get()
@@ -421,9 +421,9 @@ def test_lm_head_samples_the_tokens_numpy_samples(config_name, temperature):
         params = SamplingParams(temperature=temperature, seed=int(rng.integers(0, 2**63)))
         position = int(rng.integers(0, 40_000))
         state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
-        sampler = cp.asarray(sampler_settings(params))
+        sampler = cp.asarray(sampler_settings(params, v))
         lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices, state, sampler))
-        select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1)))
+        select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1), logits, sampler))
         token, result = int(state[0].get()), logits.get()
         want = sample(result, params, position)
         assert int(state[3].get()) == 0 and int(state[1].get()) == position + 1
@@ -436,6 +436,53 @@ def test_lm_head_samples_the_tokens_numpy_samples(config_name, temperature):
         assert all(drawn)
     if temperature == 8.0:
         assert sum(drawn) <= 3  # the noise, not the logits, decides a near-uniform draw
+
+
+def nucleus_on_an_edge(logits: np.ndarray, params: SamplingParams) -> bool:
+    """Whether the nucleus cut of `params` over `logits` moves when its target moves by 1e-12:
+    then the device's float64 sum in another order may rightly cut elsewhere."""
+    scaled = (logits.astype(np.float64) - logits.max()) / params.temperature
+    kept = most_likely_first(scaled, None, params.top_k)[: params.top_k]
+    mass = np.cumsum(np.exp(scaled[kept]))
+    return len({int(np.searchsorted(mass, params.top_p * mass[-1] * (1 + e))) for e in (-1e-12, 0, 1e-12)}) > 1
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("logit_kind", ["normal", "ties", "signed zeros"])
+def test_top_k_and_top_p_on_the_device_draw_what_numpy_draws(config_name, logit_kind):
+    """argmax_select_next's filtered draw against nanoqwen.sampling.sample on the same logits, for
+    top-k from 1 to TOP_K_MAX with and without top-p. "ties": a few distinct values, so the k-th
+    largest is tied with many others and the lowest ids among them must be kept; "signed zeros":
+    -0.0 and +0.0 at the boundary, which numpy counts as equal."""
+    c = CONFIGS[config_name]
+    v = c.vocab_size
+    rng = np.random.default_rng([v, len(logit_kind)])
+    select = kernel(config_name, "argmax_select_next")
+    for top_k, top_p, temperature in [(1, 1.0, 0.7), (2, 1.0, 1.0), (40, 1.0, 0.7), (40, 0.95, 0.7), (40, 0.5, 2.0),
+                                      (256, 0.9, 1.0), (300, 0.3, 1.0), (v - 1, 0.9, 1.0), (1000, 0.99, 1.5),
+                                      (TOP_K_MAX, 1.0, 1.0), (TOP_K_MAX, 0.05, 0.8)]:
+        if not top_k < v or top_k > TOP_K_MAX:  # no filter (lm_head's noise draws that, above), or the host's
+            continue
+        for trial in range(3):
+            if logit_kind == "normal":
+                logits = (rng.standard_normal(v) * 3).astype(np.float32)
+            elif logit_kind == "ties":
+                logits = (rng.integers(-12, 1, v) / 4).astype(np.float32)
+            else:
+                logits = rng.choice(np.array([-1.0, -0.0, 0.0, -2.0], np.float32), v, p=[0.55, 0.05, 0.05, 0.35])
+                logits[rng.integers(0, v, 3)] = 1.0
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(rng.integers(0, 2**63)))
+            position = int(rng.integers(0, 30_000))
+            best = int(np.argmax(logits))
+            values, indices = cp.asarray([logits[best]], dtype=cp.float32), cp.asarray([best], dtype=cp.int32)
+            state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
+            select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(1), state, NULL, np.int32(1), cp.asarray(logits),
+                                             cp.asarray(sampler_settings(params, v))))
+            token, want = int(state[0].get()), sample(logits, params, position)
+            assert int(state[3].get()) == 0 and int(state[1].get()) == position + 1
+            if token != want:
+                assert top_p < 1 and nucleus_on_an_edge(logits, params), \
+                    f"k={top_k} p={top_p} T={temperature} trial {trial}: device chose {token}, numpy {want}"
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf everywhere"])
@@ -464,7 +511,8 @@ def test_greedy_argmax_flags_non_finite_logits(poison):
     if poison == "-inf everywhere":  # no weights give -inf logits: feed the reduction directly
         values[:] = -np.inf
     state = cp.asarray([1, 2, 3, 0, 4], dtype=cp.int32)
-    kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1)))
+    kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1),
+                                        logits, NULL))
     assert int(state[3].get()) == 1, f"{poison}: status not raised"
 
 

@@ -174,7 +174,7 @@ def bench_lm_head(cp, module, num_sms, config, temperature: float = 0.0):
     logits = cp.empty(v, dtype=cp.float32)
     values, indices = cp.empty(blocks, dtype=cp.float32), cp.empty(blocks, dtype=cp.int32)
     state = cp.asarray([0, 600, 601, 0, 0], dtype=cp.int32)
-    sampler = cp.asarray(sampler_settings(SamplingParams(temperature=temperature, seed=1)))
+    sampler = cp.asarray(sampler_settings(SamplingParams(temperature=temperature, seed=1), v))
 
     def launch(_):
         function((blocks,), (LM_HEAD_THREADS,), (x, weight, logits, values, indices, state, sampler))
