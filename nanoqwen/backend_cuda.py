@@ -686,9 +686,10 @@ class CudaBackend:
     def decode(self, token_id: int, position: int, page_table) -> np.ndarray:
         """One token at `position` (its K/V is written there); logits [vocab] fp32.
 
-        The caller samples the next token itself, so the device's choice is not read
-        back and the next step uploads its inputs.
+        The caller samples the next token itself, so the device's choice is not read back (the
+        sampler goes back to greedy, its cheapest) and the next step uploads its inputs.
         """
+        self.set_sampler(GREEDY)
         self._step(token_id, position, page_table)
         return self.logits.get(stream=self.stream)
 
