@@ -389,19 +389,19 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
   return index;
 }
 
-// The decode step's last kernel: reduce the lm_head's per-block candidates to the greedy
-// token, store it as the next step's input token, and advance position and sequence length,
-// so consecutive greedy steps can run without the host touching the state.
+// The decode step's last kernel: reduce the lm_head's per-block candidates to the chosen token
+// (the argmax of the keys: the logits when greedy, logit + T * noise when sampling), store it as
+// the next step's input token, and advance position and sequence length, so consecutive steps
+// can run without the host touching the state. With a top-k in `sampler` the candidates give the
+// largest logit, and filtered_draw chooses among the kept logits instead.
 // It also leaves the new head of the state (token, position, seq_len, status) where the host
 // reads it without a copy in the stream: row position % slots of `head_slots`, pinned host memory
 // mapped into the GPU's address space (null: not written). A device-to-host copy after each step
 // ran between two graph launches; a store to host memory inside the kernel does not
-// (nanoqwen.backend_cuda.CudaBackend.greedy_tokens reads the rows).
+// (nanoqwen.backend_cuda.CudaBackend.next_tokens reads the rows).
 // grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh);
-// head_slots int32 [slots, STATE_PAGE_TABLE] or null
-// The candidates are lm_head_logits' output: ordinary loads, as for x above.
-// With a top-k in `sampler` it reduces the candidates to the largest logit, then draws among the
-// filtered logits (filtered_draw); logits fp32 [NQ_VOCAB]; sampler null: greedy.
+// head_slots int32 [slots, STATE_PAGE_TABLE] or null; logits fp32 [NQ_VOCAB]; sampler: null, greedy.
+// The candidates and logits are lm_head_logits' output: ordinary loads, as for x above.
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_select_next(const float* candidate_values, const int* candidate_indices,
                    int num_candidates, int* __restrict__ state, int* __restrict__ head_slots, int slots,
