@@ -59,7 +59,12 @@ __device__ __forceinline__ unsigned int mix32(unsigned int x) {
   return x ^ (x >> 15);
 }
 
-// nanoqwen.sampling.gumbel_noise for one token id, `step` from the key and the position: 52 bits,
+// The step's part of nanoqwen.sampling.gumbel_noise's hash: the key words and the position.
+__device__ __forceinline__ unsigned int noise_step(const SamplerSettings& settings, int position) {
+  return mix32(settings.key1 ^ mix32(settings.key0 ^ mix32(position)));
+}
+
+// nanoqwen.sampling.gumbel_noise for one token id, `step` from noise_step: 52 bits,
 // u = (bits + 1/2) / 2^52 strictly inside (0, 1), g = -log(-log(u)), all in float64.
 __device__ __forceinline__ double gumbel_noise(unsigned int step, int id) {
   const unsigned long long high = mix32(mix32(2u * id) ^ step), low = mix32(mix32(2u * id + 1u) ^ step);
@@ -134,8 +139,7 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
   // (the previous step's argmax_select_next advanced it): both can be read before the wait.
   // With top-k the lm_head leaves plain logits: argmax_select_next filters them, then draws.
   const double temperature = sampler == nullptr || sampler->top_k > 0 ? 0.0 : sampler->temperature;
-  const unsigned int step =
-      temperature > 0 ? mix32(sampler->key1 ^ mix32(sampler->key0 ^ mix32(state[STATE_POSITION]))) : 0u;
+  const unsigned int step = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION]) : 0u;
   wait_for_previous_kernel();
   for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];
   __syncthreads();
@@ -370,7 +374,7 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
     members = k;
   }
   __syncthreads();
-  const unsigned int step = mix32(settings.key1 ^ mix32(settings.key0 ^ mix32(position)));
+  const unsigned int step = noise_step(settings, position);
   float value = NEGATIVE_INFINITY;
   int index = 0x7fffffff;
   if (threadIdx.x < members) {
