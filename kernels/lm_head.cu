@@ -186,9 +186,8 @@ __device__ __forceinline__ unsigned int order_key(float value) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Exclusive prefix sum of `value` over the block's ARGMAX_THREADS threads; `total` gets the sum.
-// scratch int [WARP_SIZE + 1], shared.
-__device__ __forceinline__ int block_exclusive_scan(int value, int* scratch, int& total) {
+// Exclusive prefix sum of `value` over the block's ARGMAX_THREADS threads; scratch int [WARP_SIZE], shared.
+__device__ __forceinline__ int block_exclusive_scan(int value, int* scratch) {
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   int inclusive = value;
 #pragma unroll
@@ -207,11 +206,9 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int* scratch, int
       if (lane >= offset) warp_inclusive += other;
     }
     scratch[lane] = warp_inclusive - warp_total;
-    if (lane == WARP_SIZE - 1) scratch[WARP_SIZE] = warp_inclusive;
   }
   __syncthreads();
   const int exclusive = scratch[warp] + inclusive - value;
-  total = scratch[WARP_SIZE];
   __syncthreads();  // scratch is free again
   return exclusive;
 }
@@ -288,8 +285,7 @@ __device__ void gather_top_k(const float* logits, int n, int k, unsigned int thr
   int ties = 0;
 #pragma unroll 8
   for (int i = begin; i < end; ++i) ties += order_key(logits[i]) == threshold;
-  int total_ties;
-  int rank = block_exclusive_scan(ties, scratch, total_ties);  // also orders above_count's reset
+  int rank = block_exclusive_scan(ties, scratch);  // also orders above_count's reset
   const int above = k - ties_kept;
 #pragma unroll 8
   for (int i = begin; i < end; ++i) {
@@ -328,7 +324,7 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
   __shared__ unsigned long long sorted[TOP_K_MAX];
   __shared__ double weights[TOP_K_MAX];
   __shared__ double warp_totals[ARGMAX_THREADS / WARP_SIZE];
-  __shared__ int scratch[WARP_SIZE + 1];
+  __shared__ int scratch[WARP_SIZE];
   __shared__ int members;
   __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
