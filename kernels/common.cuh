@@ -29,7 +29,10 @@ static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with
 #define STATE_TOKEN 0       // token id fed to the step; the greedy argmax writes the next one
 #define STATE_POSITION 1    // position of that token in its sequence
 #define STATE_SEQ_LEN 2     // positions attention reads: position + 1
-#define STATE_STATUS 3      // the greedy argmax writes 1 if the logits held NaN or +inf (or all -inf), else 0
+#define STATE_STATUS 3      // the argmax writes 1 if the logits held NaN or +inf (or all -inf), 2 if the host must
+                            // draw (a top-p's run is longer than the device keeps), else 0
+#define STATUS_NOT_FINITE 1
+#define STATUS_HOST_DRAWS 2
 #define STATE_PAGE_TABLE 4  // the sequence's page table starts here
 
 constexpr int WARP_SIZE = 32;
@@ -127,7 +130,8 @@ __device__ __forceinline__ uint4 load_weights_16B(const void* address) {
 
 // Butterfly sum: after step `offset`, each lane holds the sum of a block of 2*offset lanes;
 // after five steps every lane holds the whole warp's sum (no shared memory, no barrier).
-__device__ __forceinline__ float warp_sum(float value) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
 #pragma unroll
   for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) value += __shfl_xor_sync(FULL_MASK, value, offset);
   return value;
@@ -135,16 +139,16 @@ __device__ __forceinline__ float warp_sum(float value) {
 
 // Sum over a block of THREADS threads (a multiple of 32): each warp reduces by shuffles, one
 // lane per warp parks its sum in shared memory, and every thread adds up those few sums in
-// the same order, so all threads return the same value. `scratch` holds THREADS/32 floats.
-template <int THREADS>
-__device__ __forceinline__ float block_sum(float value, float* scratch) {
+// the same order, so all threads return the same value. `scratch` holds THREADS/32 values.
+template <int THREADS, typename T>
+__device__ __forceinline__ T block_sum(T value, T* scratch) {
   static_assert(THREADS % WARP_SIZE == 0 && THREADS <= 1024, "block_sum needs whole warps");
   constexpr int WARPS = THREADS / WARP_SIZE;
   value = warp_sum(value);
   if (WARPS == 1) return value;
   if (threadIdx.x % WARP_SIZE == 0) scratch[threadIdx.x / WARP_SIZE] = value;
   __syncthreads();
-  float total = 0.0f;
+  T total = 0;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) total += scratch[w];
   return total;

@@ -21,7 +21,7 @@
 // Non-finite logits must not pass silently (numpy's greedy choice raises on them, see
 // nanoqwen/sampling.py): a block that computed a NaN or +inf logit leaves NaN as its candidate
 // value, which never wins a comparison, and argmax_select_next turns any such NaN, or a best
-// logit of -inf, into state[STATE_STATUS] = 1, which the host checks with the token.
+// logit of -inf, into state[STATE_STATUS] = STATUS_NOT_FINITE, which the host checks with the token.
 #include "common.cuh"
 
 constexpr int LM_PIECES = NQ_HIDDEN / 8;  // 16-byte pieces (8 halves) per row
@@ -46,8 +46,8 @@ struct SamplerSettings {
   unsigned int key0, key1;  // from the seed: SamplingParams.key
   double temperature;
   int top_k;                // 0: every token (the lm_head adds the noise); else at most TOP_K_MAX
-  int unused;
-  double top_p;             // 1: no nucleus; else applied to the top_k kept tokens
+  int nucleus_of_all;       // 1: top_p weighs every token, and the device keeps the top_k most likely
+  double top_p;             // 1: no nucleus; else applied to the top_k kept tokens (or to all, above)
 };
 
 // nanoqwen.sampling._mix32: a bijective avalanche of a 32-bit word.
@@ -171,19 +171,39 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
 // ---------------------------------------------------------------- top-k and top-p on the device
 // nanoqwen.sampling.sample with a filter: keep the top_k most likely tokens (ties to the lower id),
 // then the shortest run of them, most likely first, whose probability reaches top_p of theirs,
-// then the Gumbel-max draw among what is left. One block does it over the step's logits: a radix
-// select finds the k-th largest logit, a scan keeps the lowest ids of those tied with it, a
-// bitonic sort orders the k for the nucleus. About 3 MB of reads from L2 per token, against the
-// 608 KB copy and a millisecond of host work that the same filters cost on the host.
+// then the Gumbel-max draw among what is left. A top-p alone weighs every token: the device keeps
+// the TOP_K_MAX most likely, and when the run is longer than those (a flat distribution) it
+// leaves the draw to the host, as nanoqwen.sampling.nucleus first looks among its most likely.
+//
+// One block does it over the step's logits, which lm_head_logits just left in L2, in three passes:
+// each thread's largest logit gives a floor for the k-th largest, a histogram of the top 12 bits
+// of the logits above the floor finds the bucket that holds the k-th, and the logits from that
+// bucket up (a few thousand at most, unless many logits tie) go to shared memory, where a radix
+// select finds the k-th largest of (logit, id) pairs: ties by id come for free. When that bucket
+// is too full, kth_largest and gather_top_k do the same over the logits a byte at a time, in six
+// passes. A bitonic sort orders the k kept for the nucleus.
 constexpr int ARGMAX_THREADS = 1024;
 constexpr int TOP_K_MAX = ARGMAX_THREADS;  // one kept token per thread
+constexpr int BUCKET_BITS = 12;            // of a logit's order key, in the first pass's histogram
+constexpr int BUCKETS = 1 << BUCKET_BITS;
+constexpr int POOL = 4096;                 // (logit, id) pairs that shared memory takes
 constexpr int NO_DIGIT = 256;              // a logit outside the radix select's current prefix
+static_assert(BUCKETS * sizeof(unsigned int) <= POOL * sizeof(unsigned long long), "the histogram lives in the pool");
+static_assert(POOL >= TOP_K_MAX && POOL % ARGMAX_THREADS == 0, "the pool holds the kept, a whole number per thread");
 
 // A float's bits as an unsigned key in the float's order; -0 counts as +0, as numpy compares them.
 __device__ __forceinline__ unsigned int order_key(float value) {
   unsigned int bits = __float_as_uint(value);
   if (bits == 0x80000000u) bits = 0u;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// (logit, id) as one 64-bit word in the order the filters keep: larger logits first, then lower ids.
+__device__ __forceinline__ unsigned long long pack_kept(unsigned int key, int id) {
+  return ((unsigned long long)key << 32) | (0xffffffffu - (unsigned int)id);
+}
+__device__ __forceinline__ int kept_id(unsigned long long packed) {
+  return (int)(0xffffffffu - (unsigned int)(packed & 0xffffffffu));
 }
 
 // Exclusive prefix sum of `value` over the block's ARGMAX_THREADS threads; scratch int [WARP_SIZE], shared.
@@ -213,33 +233,65 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int* scratch) {
   return exclusive;
 }
 
-// visit(i, logits[i]) for this thread's ids i = threadIdx.x + a multiple of ARGMAX_THREADS, and
-// visit(i, 0) for i >= n up to the last whole round (so that every lane of a warp takes part in
-// each call). One block reads 608 KB this way per pass: LOGIT_BATCH loads are in flight per thread
-// before the first is used, or each pass would wait out 149 round trips to L2 in a row.
-constexpr int LOGIT_BATCH = 8;
-
-template <typename Visit>
-__device__ __forceinline__ void for_each_logit(const float* logits, int n, Visit visit) {
-  for (int base = 0; base < n; base += LOGIT_BATCH * ARGMAX_THREADS) {
-    float values[LOGIT_BATCH];
-#pragma unroll
-    for (int j = 0; j < LOGIT_BATCH; ++j) {
-      const int i = base + j * ARGMAX_THREADS + threadIdx.x;
-      values[j] = i < n ? logits[i] : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < LOGIT_BATCH; ++j) visit(base + j * ARGMAX_THREADS + threadIdx.x, values[j]);
+// One shared-memory atomic per distinct `digit` in the warp (NO_DIGIT: none): the high digits of
+// similar logits collide, and an atomic per logit would serialise on them. Every lane calls it.
+__device__ __forceinline__ void count_digit(unsigned int* histogram, int digit) {
+  if (__any_sync(FULL_MASK, digit != NO_DIGIT)) {
+    const unsigned int peers = __match_any_sync(FULL_MASK, digit);
+    if (digit != NO_DIGIT && threadIdx.x % WARP_SIZE == __ffs(peers) - 1) atomicAdd(&histogram[digit], __popc(peers));
   }
 }
 
-// Radix select over logits [n], a byte at a time from the top: the order key of the k-th largest,
-// and how many of the logits equal to it are among the k largest (`ties_kept`).
+// A slot of `count` for each lane that wants one, one atomic per warp. Every lane calls it.
+__device__ __forceinline__ int claim_slot(bool wants, int* count) {
+  const unsigned int wanting = __ballot_sync(FULL_MASK, wants);
+  const int lane = threadIdx.x % WARP_SIZE, leader = __ffs(wanting) - 1;
+  int base = 0;
+  if (lane == leader) base = atomicAdd(count, __popc(wanting));
+  base = __shfl_sync(FULL_MASK, base, leader < 0 ? 0 : leader);
+  return base + __popc(wanting & ((1u << lane) - 1u));
+}
+
+// visit(i, logits[i]) for every id i < n, and visit(i, 0) for some i >= n up to the last whole
+// round (so that every lane of a warp takes part in each call). One block reads 608 KB this way
+// per pass: LOGIT_BATCH 16-byte loads are in flight per thread before the first is used, or each
+// pass would wait out dozens of round trips to L2 in a row. `logits` is 16-byte aligned.
+constexpr int LOGIT_BATCH = 4;
+
+template <typename Visit>
+__device__ __forceinline__ void for_each_logit(const float* logits, int n, Visit visit) {
+  const float4* quads = reinterpret_cast<const float4*>(logits);
+  const int whole_quads = n / 4;
+  for (int base = 0; base * 4 < n; base += LOGIT_BATCH * ARGMAX_THREADS) {
+    float4 values[LOGIT_BATCH];
+#pragma unroll
+    for (int j = 0; j < LOGIT_BATCH; ++j) {
+      const int q = base + j * ARGMAX_THREADS + threadIdx.x;
+      if (q < whole_quads) {
+        values[j] = quads[q];
+      } else {  // the last, partial quad, or past the end
+        const int i = 4 * q;
+        values[j] = make_float4(i < n ? logits[i] : 0.0f, i + 1 < n ? logits[i + 1] : 0.0f,
+                                i + 2 < n ? logits[i + 2] : 0.0f, i + 3 < n ? logits[i + 3] : 0.0f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < LOGIT_BATCH; ++j) {
+      const int i = 4 * (base + j * ARGMAX_THREADS + threadIdx.x);
+      visit(i, values[j].x);
+      visit(i + 1, values[j].y);
+      visit(i + 2, values[j].z);
+      visit(i + 3, values[j].w);
+    }
+  }
+}
+
+// The fallback's radix select over logits [n], a byte at a time from the top: the order key of
+// the k-th largest, and how many of the logits equal to it are among the k largest (`ties_kept`).
 __device__ void kth_largest(const float* logits, int n, int k, unsigned int& threshold, int& ties_kept) {
   __shared__ unsigned int histogram[256];
   __shared__ unsigned int chosen_prefix;
   __shared__ int chosen_remaining;
-  const int lane = threadIdx.x % WARP_SIZE;
   unsigned int prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -247,14 +299,7 @@ __device__ void kth_largest(const float* logits, int n, int k, unsigned int& thr
     __syncthreads();
     for_each_logit(logits, n, [&](int i, float value) {
       const unsigned int key = order_key(value);
-      const int digit = i < n && (key & mask) == prefix ? (key >> shift) & 255u : NO_DIGIT;
-      // One shared atomic per distinct digit in the warp: the high digits of similar logits
-      // collide, and a shared-memory atomic per logit would serialise on them. After the first
-      // byte few logits still match the prefix, and a warp with none skips the match.
-      if (__any_sync(FULL_MASK, digit != NO_DIGIT)) {
-        const unsigned int peers = __match_any_sync(FULL_MASK, digit);
-        if (digit != NO_DIGIT && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], __popc(peers));
-      }
+      count_digit(histogram, i < n && (key & mask) == prefix ? (key >> shift) & 255u : NO_DIGIT);
     });
     __syncthreads();
     if (threadIdx.x == 0) {  // the digit, from the largest down, whose bucket holds the remaining-th
@@ -273,11 +318,11 @@ __device__ void kth_largest(const float* logits, int n, int k, unsigned int& thr
   ties_kept = remaining;
 }
 
-// The top_k ids into kept[0, k), in no order: those above the threshold, then the lowest ids of
-// those equal to it. Each thread walks a contiguous run of ids, so a scan of the per-thread tie
-// counts ranks the ties in id order.
+// The fallback's top_k into pool[0, k), in no order: those above the threshold, then the lowest
+// ids of those equal to it. Each thread walks a contiguous run of ids, so a scan of the
+// per-thread tie counts ranks the ties in id order.
 __device__ void gather_top_k(const float* logits, int n, int k, unsigned int threshold, int ties_kept,
-                             int* kept, int* scratch) {
+                             unsigned long long* pool, int* scratch) {
   __shared__ int above_count;
   if (threadIdx.x == 0) above_count = 0;
   const int run = (n + ARGMAX_THREADS - 1) / ARGMAX_THREADS;
@@ -291,13 +336,87 @@ __device__ void gather_top_k(const float* logits, int n, int k, unsigned int thr
   for (int i = begin; i < end; ++i) {
     const unsigned int key = order_key(logits[i]);
     if (key > threshold) {
-      kept[atomicAdd(&above_count, 1)] = i;
+      pool[atomicAdd(&above_count, 1)] = pack_kept(key, i);
     } else if (key == threshold) {
-      if (rank < ties_kept) kept[above + rank] = i;
+      if (rank < ties_kept) pool[above + rank] = pack_kept(key, i);
       ++rank;
     }
   }
   __syncthreads();
+}
+
+// The bucket of `histogram` [BUCKETS] that holds the k-th largest logit, and how many logits lie
+// in the buckets above it. Thread t scans buckets BUCKETS-1-4t down to BUCKETS-4-4t; a scan of
+// the threads' totals gives each the count above its first.
+__device__ __forceinline__ void bucket_of_kth(const unsigned int* histogram, int k, int* scratch, int& bucket, int& above) {
+  __shared__ int chosen_bucket, chosen_above;
+  constexpr int PER_THREAD = BUCKETS / ARGMAX_THREADS;
+  const int first = BUCKETS - 1 - PER_THREAD * threadIdx.x;
+  int total = 0;
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) total += histogram[first - j];
+  int running = block_exclusive_scan(total, scratch);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int count = histogram[first - j];
+    if (running < k && k <= running + count) {  // exactly one thread, one bucket: 1 <= k <= n
+      chosen_bucket = first - j;
+      chosen_above = running;
+    }
+    running += count;
+  }
+  __syncthreads();
+  bucket = chosen_bucket;
+  above = chosen_above;
+}
+
+// The (remaining)-th largest of the `count` pairs in pool whose top BUCKET_BITS bits are
+// `bucket`'s, by a radix select over their other 52 bits in shared memory; it stops as soon as a
+// digit's bucket holds exactly the pairs still wanted. Every pair >= the result is kept.
+__device__ unsigned long long kth_largest_pair(const unsigned long long* pool, int count, int bucket, int remaining) {
+  __shared__ unsigned int histogram[256];
+  __shared__ unsigned long long chosen_prefix;
+  __shared__ int chosen_remaining, settled;
+  constexpr int KNOWN = 64 - BUCKET_BITS;  // bits below the bucket's
+  unsigned long long prefix = (unsigned long long)bucket << KNOWN, mask = ~0ull << KNOWN;
+  for (int shift = KNOWN - 8; ; shift = max(shift - 8, 0)) {
+    for (int i = threadIdx.x; i < 256; i += ARGMAX_THREADS) histogram[i] = 0;
+    __syncthreads();
+    for (int base = 0; base < count; base += ARGMAX_THREADS) {  // whole rounds: count_digit needs every lane
+      const int i = base + threadIdx.x;
+      count_digit(histogram, i < count && (pool[i] & mask) == prefix ? (int)((pool[i] >> shift) & 255u) : NO_DIGIT);
+    }
+    __syncthreads();
+    if (threadIdx.x < WARP_SIZE) {  // lane l holds digits 255-8l down to 248-8l
+      const int lane = threadIdx.x;
+      int total = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) total += histogram[255 - 8 * lane - j];
+      int above = total;
+#pragma unroll
+      for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+        const int other = __shfl_up_sync(FULL_MASK, above, offset);
+        if (lane >= offset) above += other;
+      }
+      above -= total;
+      for (int j = 0; j < 8; ++j) {
+        const int digit = 255 - 8 * lane - j, in_digit = histogram[digit];
+        if (above < remaining && remaining <= above + in_digit) {
+          chosen_prefix = prefix | ((unsigned long long)digit << shift);
+          chosen_remaining = remaining - above;
+          settled = in_digit == remaining - above || shift == 0;  // every pair of this digit is kept
+        }
+        above += in_digit;
+      }
+    }
+    __syncthreads();
+    prefix = chosen_prefix;
+    remaining = chosen_remaining;
+    mask |= 255ull << shift;
+    const bool done = settled;
+    __syncthreads();  // before the next round clears the histogram warp 0 just read
+    if (done) return prefix;
+  }
 }
 
 // sorted[0, TOP_K_MAX) in descending order, one element per thread (a bitonic network).
@@ -317,46 +436,105 @@ __device__ void sort_descending(unsigned long long* sorted) {
   }
 }
 
+// A logit's weight in the softmax at temperature T, relative to the largest logit `top`: float64,
+// as the host's nanoqwen.sampling.nucleus computes it.
+__device__ __forceinline__ double softmax_weight(float logit, float top, double temperature) {
+  return exp(((double)logit - (double)top) / temperature);
+}
+
 // The token sample() draws with top-k (and top-p) from logits [n] whose largest is `top`, at the
-// step after `position`. Every thread of the block calls it; every thread gets the token.
+// step after `position`; or -1 when the host must draw it: a top-p over every token
+// (settings.nucleus_of_all) whose run does not end among the top_k most likely, which this keeps.
+// Every thread of the block calls it; every thread gets the result.
 __device__ int filtered_draw(const float* logits, int n, float top, const SamplerSettings& settings, int position) {
-  __shared__ int kept[TOP_K_MAX];
-  __shared__ unsigned long long sorted[TOP_K_MAX];
+  __shared__ unsigned long long pool[POOL];  // first the histogram, then pairs, then the kept
   __shared__ double weights[TOP_K_MAX];
   __shared__ double warp_totals[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int scratch[WARP_SIZE];
-  __shared__ int members;
+  __shared__ int pairs, members;
   __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
   const int k = settings.top_k, lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-  unsigned int threshold;
-  int ties_kept;
-  kth_largest(logits, n, k, threshold, ties_kept);
-  gather_top_k(logits, n, k, threshold, ties_kept, kept, scratch);
-  if (settings.top_p < 1.0) {
-    // Most likely first, ties by id: the order key above the complement of the id.
-    sorted[threadIdx.x] = threadIdx.x < k ? ((unsigned long long)order_key(logits[kept[threadIdx.x]]) << 32) |
-                                                (0xffffffffu - (unsigned int)kept[threadIdx.x])
-                                          : 0ull;
+  unsigned int* histogram = reinterpret_cast<unsigned int*>(pool);
+
+  // Pass 1: each thread's largest logit, and for a top-p alone the mass of every token, float64
+  // as the host's nanoqwen.sampling.nucleus weighs them. The k-th largest of the threads' largest
+  // is a floor for the k-th largest logit (k threads hold a logit at least that large), so the
+  // histogram below counts only the logits above that floor: a few thousand at most, which keeps
+  // its shared-memory atomics (many logits, near one another, collide on one bucket) cheap.
+  unsigned int largest = 0;
+  double mass_of_all = 0.0;
+  for_each_logit(logits, n, [&](int i, float value) {
+    if (i < n) largest = max(largest, order_key(value));
+    if (settings.nucleus_of_all && i < n) mass_of_all += softmax_weight(value, top, settings.temperature);
+  });
+  pool[threadIdx.x] = pack_kept(largest, threadIdx.x);
+  __syncthreads();
+  sort_descending(pool);
+  const unsigned int floor_key = (unsigned int)(pool[k - 1] >> 32);
+  __syncthreads();  // every thread has its floor: the pool takes the histogram now
+
+  // Pass 2: the top bits' histogram of the logits above the floor.
+  for (int i = threadIdx.x; i < BUCKETS; i += ARGMAX_THREADS) histogram[i] = 0;
+  if (threadIdx.x == 0) pairs = 0;
+  __syncthreads();
+  for_each_logit(logits, n, [&](int i, float value) {
+    const unsigned int key = order_key(value);
+    count_digit(histogram, i < n && key >= floor_key ? (int)(key >> (32 - BUCKET_BITS)) : NO_DIGIT);
+  });
+  __syncthreads();
+  int bucket, above;
+  bucket_of_kth(histogram, k, scratch, bucket, above);
+  const int candidates = above + (int)histogram[bucket];
+  __syncthreads();  // every thread has read the histogram: the pool takes pairs now
+
+  if (candidates <= POOL) {
+    // Pass 3: the pairs above the floor from the k-th's bucket up into the pool, then the k-th
+    // largest among them.
+    for_each_logit(logits, n, [&](int i, float value) {
+      const unsigned int key = order_key(value);
+      const bool wanted = i < n && key >= floor_key && (int)(key >> (32 - BUCKET_BITS)) >= bucket;
+      const int slot = claim_slot(wanted, &pairs);
+      if (wanted) pool[slot] = pack_kept(key, i);
+    });
     __syncthreads();
-    sort_descending(sorted);
-    kept[threadIdx.x] = 0xffffffffu - (unsigned int)(sorted[threadIdx.x] & 0xffffffffu);
-    __syncthreads();
-    // Each kept token's weight exp((logit - top) / T), float64 as on the host; the total by a
-    // block sum, the run's mass in order by one thread, as numpy's cumsum adds it.
-    weights[threadIdx.x] =
-        threadIdx.x < k ? exp(((double)logits[kept[threadIdx.x]] - (double)top) / settings.temperature) : 0.0;
-    double total = threadIdx.x < k ? weights[threadIdx.x] : 0.0;
+    const unsigned long long kth = kth_largest_pair(pool, candidates, bucket, k - above);
+    unsigned long long mine[POOL / ARGMAX_THREADS];  // read them all before any moves
 #pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) total += __shfl_xor_sync(FULL_MASK, total, offset);
-    if (lane == 0) warp_totals[warp] = total;
+    for (int j = 0; j < POOL / ARGMAX_THREADS; ++j) {
+      const int i = j * ARGMAX_THREADS + threadIdx.x;
+      mine[j] = i < candidates ? pool[i] : 0ull;
+    }
+    if (threadIdx.x == 0) pairs = 0;
     __syncthreads();
+#pragma unroll
+    for (int j = 0; j < POOL / ARGMAX_THREADS; ++j) {
+      const bool kept = mine[j] >= kth;  // 0 (no pair) is below every pair
+      const int slot = claim_slot(kept, &pairs);
+      if (kept) pool[slot] = mine[j];
+    }
+  } else {  // a bucket too full for the pool: many logits tie, or nearly
+    unsigned int threshold;
+    int ties_kept;
+    kth_largest(logits, n, k, threshold, ties_kept);
+    gather_top_k(logits, n, k, threshold, ties_kept, pool, scratch);
+  }
+  __syncthreads();  // pool[0, k) holds the kept pairs
+
+  if (settings.top_p < 1.0) {
+    if (threadIdx.x >= k) pool[threadIdx.x] = 0ull;  // below every pair
+    __syncthreads();
+    sort_descending(pool);  // most likely first, ties by id
+    // Each kept token's weight exp((logit - top) / T), the mass they share (or that of every token)
+    // by a block sum, and the run's mass in order by one thread, as numpy's cumsum adds it.
+    weights[threadIdx.x] =
+        threadIdx.x < k ? softmax_weight(logits[kept_id(pool[threadIdx.x])], top, settings.temperature) : 0.0;
+    const double total = block_sum<ARGMAX_THREADS>(settings.nucleus_of_all ? mass_of_all : weights[threadIdx.x],
+                                                   warp_totals);  // its barrier also publishes weights
     if (threadIdx.x == 0) {
-      total = 0.0;
-      for (int w = 0; w < ARGMAX_THREADS / WARP_SIZE; ++w) total += warp_totals[w];
       const double target = settings.top_p * total;
       double mass = 0.0;
-      int length = k;
+      int length = settings.nucleus_of_all && k < n ? -1 : k;  // a run past the kept: the host's
       for (int i = 0; i < k; ++i) {
         mass += weights[i];
         if (mass >= target) {
@@ -370,11 +548,12 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
     members = k;
   }
   __syncthreads();
+  if (members < 0) return -1;
   const unsigned int step = noise_step(settings, position);
   float value = NEGATIVE_INFINITY;
   int index = 0x7fffffff;
   if (threadIdx.x < members) {
-    index = kept[threadIdx.x];
+    index = kept_id(pool[threadIdx.x]);
     value = (float)__dadd_rn((double)logits[index], __dmul_rn(settings.temperature, gumbel_noise(step, index)));
   }
   warp_argmax(value, index);
@@ -393,7 +572,8 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
 // (the argmax of the keys: the logits when greedy, logit + T * noise when sampling), store it as
 // the next step's input token, and advance position and sequence length, so consecutive steps
 // can run without the host touching the state. With a top-k in `sampler` the candidates give the
-// largest logit, and filtered_draw chooses among the kept logits instead.
+// largest logit, and filtered_draw chooses among the kept logits instead, or, for a top-p run
+// longer than it keeps, sets the status STATUS_HOST_DRAWS: the host draws from the logits.
 // It also leaves the new head of the state (token, position, seq_len, status) where the host
 // reads it without a copy in the stream: row position % slots of `head_slots`, pinned host memory
 // mapped into the GPU's address space (null: not written). A device-to-host copy after each step
@@ -445,9 +625,14 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
   value = best_value;
   index = best_index;
   const bool usable = !flagged && value != NEGATIVE_INFINITY;
-  if (filter && usable) index = filtered_draw(logits, NQ_VOCAB, value, *sampler, position);
+  int status = usable ? 0 : STATUS_NOT_FINITE;
+  if (filter && usable) {
+    const int drawn = filtered_draw(logits, NQ_VOCAB, value, *sampler, position);
+    if (drawn < 0) status = STATUS_HOST_DRAWS;  // the token stays the argmax, for no one to read
+    else index = drawn;
+  }
   if (threadIdx.x == 0) {
-    const int head[STATE_PAGE_TABLE] = {index, position + 1, state[STATE_SEQ_LEN] + 1, !usable};
+    const int head[STATE_PAGE_TABLE] = {index, position + 1, state[STATE_SEQ_LEN] + 1, status};
 #pragma unroll
     for (int i = 0; i < STATE_PAGE_TABLE; ++i) state[i] = head[i];
     if (head_slots != nullptr) {

@@ -56,6 +56,7 @@ from .sampling import GREEDY, SamplingParams, sample
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
+STATUS_NOT_FINITE, STATUS_HOST_DRAWS = 1, 2  # values of state[STATE_STATUS] besides 0
 GEMV_MAX_SPLITS = 16  # warps of a split-K GEMV block (kernels/gemv_int4.cu SPLIT_K_MAX_WARPS)
 GATE_UP_MAX_SPLITS = 4  # warps of a gate+up block (kernels/gemv_int4.cu GATE_UP_MAX_SPLITS)
 # Warps per 16-row tile of the gate+up GEMV, each a share of the input groups.
@@ -196,26 +197,42 @@ def stack_linears(linears: list[Int4Linear]) -> tuple[np.ndarray, np.ndarray, np
             None if biases[0] is None else np.concatenate(biases))
 
 
-def token_of_head(head: np.ndarray) -> int:
-    """The token in the head of the decode state (token, position, seq_len, status), or
-    FloatingPointError when the device's argmax flagged the logits, as numpy's choice does."""
-    if head[STATE_STATUS]:
+def token_of_head(head: np.ndarray) -> int | None:
+    """The token in the head of the decode state (token, position, seq_len, status); None when the
+    device left the draw to the host (STATUS_HOST_DRAWS); FloatingPointError when the device's
+    argmax flagged the logits, as numpy's choice does."""
+    if head[STATE_STATUS] == STATUS_NOT_FINITE:
         raise FloatingPointError("logits are not finite (the device's argmax saw NaN or +inf, or only -inf)")
+    if head[STATE_STATUS] == STATUS_HOST_DRAWS:
+        return None
     return int(head[STATE_TOKEN])
 
 
 def device_top_k(sampling: SamplingParams, vocab_size: int) -> int | None:
     """The top-k that the device applies for `sampling` (0: none), or None when the host must
-    choose: a top-p without a top-k (its run may span the vocabulary), or a top-k above TOP_K_MAX."""
+    choose: a top-k above TOP_K_MAX. A top-p alone weighs every token; the device then keeps the
+    TOP_K_MAX most likely, in which a peaked distribution's run ends (`may_hand_back` says when
+    it may not)."""
     top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0  # sample() ignores k >= vocab
     if top_k == 0:
-        return 0 if sampling.top_p == 1 else None
+        return 0 if sampling.top_p == 1 else min(TOP_K_MAX, vocab_size)
     return top_k if top_k <= TOP_K_MAX else None
+
+
+def nucleus_of_all(sampling: SamplingParams, vocab_size: int) -> bool:
+    """Whether `sampling`'s top-p weighs every token (no top-k applies)."""
+    return not sampling.greedy and sampling.top_p < 1 and not 0 < sampling.top_k < vocab_size
+
+
+def may_hand_back(sampling: SamplingParams, vocab_size: int) -> bool:
+    """Whether a step may leave its draw to the host (STATUS_HOST_DRAWS): a top-p alone over more
+    tokens than the device keeps, whose run can be longer than those on a flat distribution."""
+    return nucleus_of_all(sampling, vocab_size) and vocab_size > TOP_K_MAX
 
 
 def sampler_settings(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
     """kernels/lm_head.cu's SamplerSettings for `sampling`, as uint32 [8]: key0, key1, the
-    temperature's float64 bits, top_k, an unused word, top_p's float64 bits (all zero: greedy)."""
+    temperature's float64 bits, top_k, nucleus_of_all, top_p's float64 bits (all zero: greedy)."""
     settings = np.zeros(8, dtype=np.uint32)
     if not sampling.greedy:
         top_k = device_top_k(sampling, vocab_size)
@@ -224,6 +241,7 @@ def sampler_settings(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
         settings[:2] = sampling.key
         settings[2:4].view(np.float64)[0] = sampling.temperature
         settings[4] = top_k
+        settings[5] = nucleus_of_all(sampling, vocab_size)
         settings[6:8].view(np.float64)[0] = sampling.top_p
     return settings
 
@@ -406,6 +424,7 @@ class CudaBackend:
         self.pdl = pdl
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
         self._pending = None  # the page table of the step in flight
+        self.host_draws = 0  # decode_next's steps whose token the host drew from the logits
         device.synchronize()  # uploads and attention's set-up may run on other streams
 
     # ------------------------------------------------------------------ setup
@@ -704,20 +723,26 @@ class CudaBackend:
 
     def decode_next(self, token_id: int, position: int, page_table, sampling: SamplingParams = GREEDY) -> int:
         """The token `sampling` chooses after `decode` at `position`. The device chooses it (greedy,
-        temperature, a top-k of at most TOP_K_MAX with or without top-p) and stores it (and the status
-        word) in host memory; otherwise the host samples the logits. Non-finite logits raise
-        FloatingPointError, as numpy's choice does."""
+        temperature, a top-k of at most TOP_K_MAX with or without top-p, a top-p alone whose run
+        ends among the TOP_K_MAX most likely) and stores it (and the status word) in host memory;
+        otherwise the host samples the logits (`host_draws` counts those steps). Non-finite logits
+        raise FloatingPointError, as numpy's choice does."""
         if device_top_k(sampling, self.config.vocab_size) is None:
+            self.host_draws += 1
             return sample(self.decode(token_id, position, page_table), sampling, position)
         self.set_sampler(sampling)
         self._step(token_id, position, page_table)
         self.stream.synchronize()
         token = self._token_after(position)
+        if token is None:  # a top-p run longer than the device keeps; the logits are this step's
+            self.host_draws += 1
+            return sample(self.logits.get(stream=self.stream), sampling, position)
         self._device_holds = (token, position + 1, self._pending)
         return token
 
-    def _token_after(self, position: int) -> int:
-        """The token that the finished step at `position` chose, from its row of `head_slots`."""
+    def _token_after(self, position: int) -> int | None:
+        """The token that the finished step at `position` chose, from its row of `head_slots`
+        (None: the host is to draw it)."""
         head = self.head_slots[position % HEAD_SLOTS]
         if head[STATE_POSITION] != position + 1:  # the row of another step: a bug, never data
             raise RuntimeError(f"the host's head row holds position {head[STATE_POSITION]} where the step at "
@@ -740,8 +765,9 @@ class CudaBackend:
         """
         if steps <= 0:
             return
-        if device_top_k(sampling, self.config.vocab_size) is None or not self.use_graph:
-            # the host chooses, or eager launches: one step at a time
+        vocab = self.config.vocab_size
+        if device_top_k(sampling, vocab) is None or may_hand_back(sampling, vocab) or not self.use_graph:
+            # the host chooses or may have to, or eager launches: one step at a time
             for k in range(steps):
                 token_id = self.decode_next(token_id, position + k, page_table, sampling)
                 yield token_id
@@ -759,7 +785,10 @@ class CudaBackend:
                     graph.launch()  # step p + 1 reads the token step p chose, on the device
                     done[(p + 1) % HEAD_SLOTS].record(self.stream)
                 done[p % HEAD_SLOTS].synchronize()
-                yield self._token_after(p)
+                token = self._token_after(p)
+                if token is None:  # may_hand_back said no step of this sampling would
+                    raise RuntimeError(f"the step at {p} left its draw to the host with {sampling}")
+                yield token
         finally:
             self._device_holds = None  # a step may have run ahead: the next request uploads
 

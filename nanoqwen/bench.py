@@ -4,8 +4,9 @@ It reports time to first token, decode ms/token and tokens/s, the bytes one deco
 read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
 decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
 the microseconds of one step go, kernel by kernel. It also times sampled decoding
-(`sampled_decode`): temperature and top-k (with top-p or not) draw on the device, a top-p alone on
-the host from the step's logits. With `--baseline` it
+(`sampled_decode`): temperature, top-k (with top-p or not) and top-p alone draw on the device,
+except the steps of a top-p alone whose run is longer than the 1,024 tokens the device keeps,
+which the host draws from the step's logits. With `--baseline` it
 times transformers' Qwen2ForCausalLM (bf16, random weights, the same shapes) in the same run.
 """
 
@@ -29,8 +30,8 @@ from .sampling import GREEDY
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
-# drawn in the decode graph; a top-p alone brings the logits to the host every step
-# (nanoqwen.backend_cuda.device_top_k).
+# drawn in the decode graph; a top-p alone runs one step at a time, since a flat step hands its
+# draw to the host (nanoqwen.backend_cuda.may_hand_back).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
@@ -332,12 +333,17 @@ def _end_to_end(engine, ids: list[int], new_tokens: int, repeats: int) -> dict:
 
 
 def _sampled_decode(engine, ids: list[int], new_tokens: int, repeats: int, seed: int) -> dict:
-    """Decode ms/token of engine.generate under each of SAMPLED_SETTINGS (median of `repeats`)."""
+    """Decode ms/token of engine.generate under each of SAMPLED_SETTINGS (median of `repeats`), and
+    how many of the decode steps' tokens the host drew (CudaBackend.host_draws)."""
     result = {}
     for label, settings in SAMPLED_SETTINGS.items():
+        host_draws = engine.backend.host_draws
         runs = [engine.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[], seed=seed + r, **settings)
                 for r in range(repeats)]
-        result[label] = {"settings": settings, "decode_ms_per_token": 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)}
+        result[label] = {"settings": settings,
+                         "decode_ms_per_token": 1e3 / statistics.median(r.decode_tokens_per_second for r in runs),
+                         "decode_steps": sum(len(r.token_ids) - 1 for r in runs),
+                         "drawn_on_the_host": engine.backend.host_draws - host_draws}
     return result
 
 
@@ -399,7 +405,9 @@ def format_report(report: dict) -> str:
         f"| byte floor per token | {e['byte_floor_total'] / 1e9:.3f} GB -> {e['floor_ms_at_read_bandwidth']:.3f} ms at 4.49 TB/s |",
         f"| achieved | {e['achieved_GB_per_s']:.0f} GB/s, {100 * e['share_of_floor']:.1f}% of the floor |",
     ]
-    lines += [f"| decode, sampled ({label}) | {row['decode_ms_per_token']:.3f} ms/token |"
+    lines += [f"| decode, sampled ({label}) | {row['decode_ms_per_token']:.3f} ms/token"
+              + (f" ({row['drawn_on_the_host']} of {row['decode_steps']} steps drawn on the host)"
+                 if row.get("drawn_on_the_host") else "") + " |"
               for label, row in report.get("sampled_decode", {}).items()]
     if s:
         lines += [

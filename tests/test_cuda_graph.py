@@ -8,6 +8,8 @@ nano-coder, whose trained logits have clear margins.
 import numpy as np
 import pytest
 
+from nanoqwen import sampling as sampling_module
+from nanoqwen.backend_cuda import TOP_K_MAX
 from nanoqwen.engine import Engine, cuda_available
 from nanoqwen.sampling import SamplingParams
 
@@ -60,15 +62,40 @@ def test_greedy_tokens_match_the_numpy_backend(engines, prompt):
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.8, seed=11), dict(temperature=1.5, seed=12),
                                       dict(temperature=0.8, top_k=20, top_p=0.9, seed=13),
-                                      dict(temperature=0.8, top_k=40, seed=14), dict(temperature=0.8, top_p=0.9, seed=15)])
+                                      dict(temperature=0.8, top_k=40, seed=14), dict(temperature=0.8, top_p=0.9, seed=15),
+                                      dict(temperature=0.8, top_k=2000, seed=16)])
 def test_sampled_tokens_match_the_numpy_backend(engines, sampling):
-    """Temperature and top-k (with top-p or not) are drawn on the device, in the graph; a top-p alone
-    on the host. Both draw what the numpy backend draws from the same seed (nanoqwen.sampling)."""
+    """Temperature, top-k (with top-p or not) and top-p alone are drawn on the device, in the graph; a
+    top-k above TOP_K_MAX on the host. All draw what the numpy backend draws from the same seed
+    (nanoqwen.sampling)."""
     cuda, numpy_engine = engines
     want = numpy_engine.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)
     got = cuda.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[], **sampling)
     assert got.token_ids == want.token_ids and got.seed == want.seed == sampling["seed"]
     assert got.token_ids != cuda.generate(PROMPTS[0], max_new_tokens=48, stop_token_ids=[]).token_ids
+
+
+def test_a_top_p_alone_hands_long_runs_to_the_host(engines, monkeypatch):
+    """At temperature 1 the nano-coder's top-p of 0.99 runs past the 1024 tokens the device keeps
+    at some steps (10 of these 24): exactly those are drawn on the host, the others on the device,
+    and together they draw what the numpy backend draws. A peaked distribution hands none back."""
+    cuda, numpy_engine = engines
+    sampling = dict(temperature=1.0, top_p=0.99, seed=17)
+    runs = []
+    def recording_nucleus(scaled, ids, top_p, run=sampling_module.nucleus):
+        runs.append(len(run(scaled, ids, top_p)))
+        return run(scaled, ids, top_p)
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling_module, "nucleus", recording_nucleus)
+        want = numpy_engine.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=[], **sampling)
+    long_runs = sum(length > TOP_K_MAX for length in runs)
+    assert len(runs) == 24 and 0 < long_runs < 24
+    before = cuda.backend.host_draws
+    got = cuda.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=[], **sampling)
+    assert got.token_ids == want.token_ids
+    assert cuda.backend.host_draws - before == long_runs
+    cuda.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=[], temperature=0.5, top_p=0.5, seed=18)
+    assert cuda.backend.host_draws - before == long_runs
 
 
 def test_logits_for_the_host_leave_the_sampler_greedy(engines):
@@ -77,7 +104,7 @@ def test_logits_for_the_host_leave_the_sampler_greedy(engines):
     cuda, _ = engines
     cuda.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8, top_k=20, seed=1)
     assert cuda.backend.sampler.get().any()  # the request's settings are still there
-    cuda.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)  # drawn on the host
+    cuda.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8, top_k=2000, seed=1)  # drawn on the host
     assert not cuda.backend.sampler.get().any()
 
 

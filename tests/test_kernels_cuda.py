@@ -3,7 +3,7 @@ against the numpy backend. Needs CuPy and a GPU (marked `gpu`; skipped otherwise
 
 Each test draws fresh random inputs (never zeros), poisons every output with NaN before the
 launch so an element the kernel forgot stays NaN, and runs at the 7B's shapes and at odd small
-ones (hidden 384, intermediate 640, vocab 1000, rows not a multiple of 16). Tolerances:
+ones (hidden 384, intermediate 640, vocab 1003 (not a multiple of 4), rows not a multiple of 16). Tolerances:
 
 * fp32 results of a dot product over K terms: |gpu - exact| <= 2e-5 * sum_k |x_k w_k|
   (fp32 rounding of K-term sums in any order is far below this; a wrong element is not);
@@ -29,7 +29,7 @@ from nanoqwen import ops_numpy as ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
-from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, sample
+from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, nucleus, sample
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -37,12 +37,12 @@ pytestmark = pytest.mark.gpu
 from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
     QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
-    TOP_K_MAX, projection_splits, sampler_settings,
+    STATUS_HOST_DRAWS, TOP_K_MAX, projection_splits, sampler_settings,
 )
 
 ODD = ModelConfig(
     num_layers=2, hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64,
-    vocab_size=1000, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    vocab_size=1003, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 CONFIGS = {"7b": QWEN25_CODER_7B, "odd": ODD}
@@ -442,26 +442,36 @@ def nucleus_on_an_edge(logits: np.ndarray, params: SamplingParams) -> bool:
     """Whether the nucleus cut of `params` over `logits` moves when its target moves by 1e-12:
     then the device's float64 sum in another order may rightly cut elsewhere."""
     scaled = (logits.astype(np.float64) - logits.max()) / params.temperature
-    kept = most_likely_first(scaled, None, params.top_k)[: params.top_k]
+    kept = most_likely_first(scaled, None, params.top_k or len(logits))[: params.top_k or len(logits)]
     mass = np.cumsum(np.exp(scaled[kept]))
     return len({int(np.searchsorted(mass, params.top_p * mass[-1] * (1 + e))) for e in (-1e-12, 0, 1e-12)}) > 1
+
+
+def nucleus_length(logits: np.ndarray, params: SamplingParams) -> int:
+    """How many tokens the host's top-p alone keeps (nanoqwen.sampling.nucleus)."""
+    scaled = (logits.astype(np.float64) - logits.max()) / params.temperature
+    return len(nucleus(scaled, None, params.top_p))
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 @pytest.mark.parametrize("logit_kind", ["normal", "ties", "signed zeros"])
 def test_top_k_and_top_p_on_the_device_draw_what_numpy_draws(config_name, logit_kind):
     """argmax_select_next's filtered draw against nanoqwen.sampling.sample on the same logits, for
-    top-k from 1 to TOP_K_MAX with and without top-p. "ties": a few distinct values, so the k-th
-    largest is tied with many others and the lowest ids among them must be kept; "signed zeros":
-    -0.0 and +0.0 at the boundary, which numpy counts as equal."""
+    top-k from 1 to TOP_K_MAX with and without top-p, and top-p alone (top_k 0 below), which the
+    device draws when the run ends among the TOP_K_MAX most likely and otherwise hands to the host
+    (status STATUS_HOST_DRAWS). "ties": a few distinct values, so the k-th largest is tied with
+    many others and the lowest ids among them must be kept; "signed zeros": -0.0 and +0.0 at the
+    boundary, which numpy counts as equal."""
     c = CONFIGS[config_name]
     v = c.vocab_size
     rng = np.random.default_rng([v, len(logit_kind)])
     select = kernel(config_name, "argmax_select_next")
+    outcomes = set()
     for top_k, top_p, temperature in [(1, 1.0, 0.7), (2, 1.0, 1.0), (40, 1.0, 0.7), (40, 0.95, 0.7), (40, 0.5, 2.0),
                                       (256, 0.9, 1.0), (300, 0.3, 1.0), (v - 1, 0.9, 1.0), (1000, 0.99, 1.5),
-                                      (TOP_K_MAX, 1.0, 1.0), (TOP_K_MAX, 0.05, 0.8)]:
-        if not top_k < v or top_k > TOP_K_MAX:  # no filter (lm_head's noise draws that, above), or the host's
+                                      (TOP_K_MAX, 1.0, 1.0), (TOP_K_MAX, 0.05, 0.8),
+                                      (0, 0.3, 0.5), (0, 0.9, 0.7), (0, 0.999, 1.5)]:
+        if top_k >= v or top_k > TOP_K_MAX or (top_k == 0 and top_p == 1):  # the host's, or lm_head's noise
             continue
         for trial in range(3):
             if logit_kind == "normal":
@@ -478,11 +488,22 @@ def test_top_k_and_top_p_on_the_device_draw_what_numpy_draws(config_name, logit_
             state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
             select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(1), state, NULL, np.int32(1), cp.asarray(logits),
                                              cp.asarray(sampler_settings(params, v))))
-            token, want = int(state[0].get()), sample(logits, params, position)
-            assert int(state[3].get()) == 0 and int(state[1].get()) == position + 1
-            if token != want:
-                assert top_p < 1 and nucleus_on_an_edge(logits, params), \
-                    f"k={top_k} p={top_p} T={temperature} trial {trial}: device chose {token}, numpy {want}"
+            token, status, want = int(state[0].get()), int(state[3].get()), sample(logits, params, position)
+            assert int(state[1].get()) == position + 1
+            case = f"k={top_k} p={top_p} T={temperature} trial {trial}"
+            if status == STATUS_HOST_DRAWS:
+                assert top_k == 0 and v > TOP_K_MAX, f"{case}: only a top-p alone over more than TOP_K_MAX tokens hands back"
+                assert nucleus_length(logits, params) > TOP_K_MAX or nucleus_on_an_edge(logits, params), \
+                    f"{case}: handed to the host a run of {nucleus_length(logits, params)} tokens"
+            else:
+                assert status == 0, f"{case}: status {status}"
+                if top_k == 0 and v > TOP_K_MAX:
+                    assert nucleus_length(logits, params) <= TOP_K_MAX or nucleus_on_an_edge(logits, params)
+                if token != want:
+                    assert top_p < 1 and nucleus_on_an_edge(logits, params), f"{case}: device chose {token}, numpy {want}"
+            outcomes.add((top_k == 0, status))
+    if config_name == "7b" and logit_kind == "normal":  # both outcomes of a top-p alone were seen
+        assert {(True, 0), (True, STATUS_HOST_DRAWS)} <= outcomes, outcomes
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf everywhere"])

@@ -190,10 +190,11 @@ def test_the_nucleus_of_a_peaked_and_of_a_flat_distribution():
 
 
 def test_which_draws_the_cuda_backend_makes_on_the_device():
-    """Greedy, temperature, and a top-k of at most TOP_K_MAX (with or without top-p) run in the decode
-    graph; a top-p alone or a larger top-k bring the logits to the host. The settings' words are the
-    layout of kernels/lm_head.cu's SamplerSettings."""
-    from nanoqwen.backend_cuda import TOP_K_MAX, device_top_k, sampler_settings
+    """Greedy, temperature, a top-k of at most TOP_K_MAX (with or without top-p) and a top-p alone
+    run in the decode graph; a larger top-k brings the logits to the host, and a top-p alone may
+    hand a step's draw back (its run may be longer than the TOP_K_MAX tokens the device keeps). The
+    settings' words are the layout of kernels/lm_head.cu's SamplerSettings."""
+    from nanoqwen.backend_cuda import TOP_K_MAX, device_top_k, may_hand_back, sampler_settings
 
     vocab = 5000
     assert device_top_k(SamplingParams(), vocab) == 0
@@ -201,12 +202,19 @@ def test_which_draws_the_cuda_backend_makes_on_the_device():
     assert device_top_k(SamplingParams(temperature=0.7, top_k=40, top_p=0.9), vocab) == 40
     assert device_top_k(SamplingParams(temperature=0.7, top_k=TOP_K_MAX), vocab) == TOP_K_MAX
     assert device_top_k(SamplingParams(temperature=0.7, top_k=vocab), vocab) == 0  # sample() ignores k >= vocab
-    for host_side in (dict(top_p=0.9), dict(top_k=TOP_K_MAX + 1), dict(top_k=vocab, top_p=0.5)):
-        assert device_top_k(SamplingParams(temperature=0.7, **host_side), vocab) is None
+    for top_p_alone in (dict(top_p=0.9), dict(top_k=vocab, top_p=0.5)):
+        params = SamplingParams(temperature=0.7, **top_p_alone)
+        assert device_top_k(params, vocab) == TOP_K_MAX and may_hand_back(params, vocab)
+        assert device_top_k(params, 1000) == 1000 and not may_hand_back(params, 1000)  # it keeps every token
+        assert sampler_settings(params, vocab)[5] == 1  # nucleus_of_all
+    assert not may_hand_back(SamplingParams(temperature=0.7, top_k=40, top_p=0.9), vocab)
+    assert not may_hand_back(SamplingParams(top_p=0.9), vocab)  # greedy ignores the filters
+    assert device_top_k(SamplingParams(temperature=0.7, top_k=TOP_K_MAX + 1), vocab) is None
     with pytest.raises(ValueError, match="host"):
-        sampler_settings(SamplingParams(temperature=0.7, top_p=0.9), vocab)
+        sampler_settings(SamplingParams(temperature=0.7, top_k=TOP_K_MAX + 1), vocab)
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=3)
     words = sampler_settings(params, vocab)
     assert words.dtype == np.uint32 and words.shape == (8,) and tuple(words[:2]) == params.key
     assert words[2:4].view(np.float64)[0] == 0.7 and words[4] == 40 and words[6:8].view(np.float64)[0] == 0.9
+    assert words[5] == 0  # the top-p weighs the 40 kept
     assert not sampler_settings(SamplingParams(), vocab).any()  # greedy: all zero
