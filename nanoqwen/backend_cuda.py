@@ -30,8 +30,9 @@ which argmax_select_next advances. So a decode step allocates nothing, waits for
 passes the same arguments every time: one CUDA graph can capture it and serve every token.
 argmax_select_next also stores each step's new state head in mapped host memory (`head_slots`),
 where the host reads the chosen tokens without a copy in the stream. The device chooses greedy and
-sampled tokens (the sampler's settings are one more device array, `sampler`), unless a top-p comes
-without a top-k or a top-k above TOP_K_MAX: those bring the logits to the host (nanoqwen.sampling).
+sampled tokens (the sampler's settings are one more device array, `sampler`), except a top-k above
+TOP_K_MAX, and the steps of a top-p alone whose run is longer than the TOP_K_MAX tokens the device
+keeps (`may_hand_back`): those bring the logits to the host (nanoqwen.sampling).
 
 Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
 buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only

@@ -18,8 +18,6 @@ makes that choice unnecessary: one graph serves every step.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .cuda_launch import programmatic_launches
 
 EMPTY_KERNEL = r"""

@@ -4,8 +4,8 @@ Every sampled draw is the Gumbel-max trick: the token whose logit plus temperatu
 Gumbel variable is largest, with one variable per token and step. It draws from the softmax at
 that temperature exactly, needs no normalisation and no order of the tokens, and so it runs where
 the logits are: in the CUDA backend's decode graph (kernels/lm_head.cu, which also applies a
-top-k of up to 1024 tokens and a top-p among them), or here on the host, over the ids that top-k
-and top-p keep.
+top-k of up to 1024 tokens, a top-p among them, or a top-p alone whose run ends among the 1024
+most likely), or here on the host, over the ids that top-k and top-p keep.
 
 The variables come from a counter-based generator, a hash of (seed, position, token id), not from
 a stateful one: both backends compute the same noise for the same step, a seed replays a run, and
@@ -15,7 +15,6 @@ as the kernel does, so the backends choose alike whenever their logits agree to 
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 

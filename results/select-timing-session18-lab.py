@@ -12,7 +12,7 @@ import numpy as np, cupy as cp
 from nanoqwen import cuda_build
 from nanoqwen.random_model import QWEN25_CODER_7B
 from nanoqwen.backend_cuda import ARGMAX_THREADS, NULL, sampler_settings
-from nanoqwen.sampling import SamplingParams, GREEDY
+from nanoqwen.sampling import SamplingParams
 
 c = QWEN25_CODER_7B
 v = c.vocab_size

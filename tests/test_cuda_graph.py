@@ -83,8 +83,9 @@ def test_a_top_p_alone_hands_long_runs_to_the_host(engines, monkeypatch):
     sampling = dict(temperature=1.0, top_p=0.99, seed=17)
     runs = []
     def recording_nucleus(scaled, ids, top_p, run=sampling_module.nucleus):
-        runs.append(len(run(scaled, ids, top_p)))
-        return run(scaled, ids, top_p)
+        kept = run(scaled, ids, top_p)
+        runs.append(len(kept))
+        return kept
     with monkeypatch.context() as patch:
         patch.setattr(sampling_module, "nucleus", recording_nucleus)
         want = numpy_engine.generate(PROMPTS[1], max_new_tokens=24, stop_token_ids=[], **sampling)
