@@ -206,6 +206,23 @@ __device__ __forceinline__ int kept_id(unsigned long long packed) {
   return (int)(0xffffffffu - (unsigned int)(packed & 0xffffffffu));
 }
 
+// The block's largest (value, index) pair, ties to the lower index (better_candidate's order);
+// every thread gets it. Two calls need a barrier between them: they share the warps' slots.
+__device__ __forceinline__ void block_argmax(float& value, int& index) {
+  __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
+  __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  warp_argmax(value, index);
+  if (lane == 0) {
+    warp_values[warp] = value;
+    warp_indices[warp] = index;
+  }
+  __syncthreads();
+  value = warp_values[lane];  // ARGMAX_THREADS / WARP_SIZE = WARP_SIZE warps
+  index = warp_indices[lane];
+  warp_argmax(value, index);  // every warp reduces the same 32 candidates
+}
+
 // Exclusive prefix sum of `value` over the block's ARGMAX_THREADS threads; scratch int [WARP_SIZE], shared.
 __device__ __forceinline__ int block_exclusive_scan(int value, int* scratch) {
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
@@ -286,6 +303,37 @@ __device__ __forceinline__ void for_each_logit(const float* logits, int n, Visit
   }
 }
 
+// Warp 0's search of a radix select's `histogram` [256] for the digit, from the largest down,
+// whose bucket holds the remaining-th largest (1 <= remaining <= the histogram's total): exactly
+// one lane returns true, with that digit and the count in the digits above it. Lane l holds
+// digits 255-8l down to 248-8l; a shuffle scan of the lanes' totals gives each the count above
+// its first. Every lane of warp 0 calls it.
+__device__ __forceinline__ bool find_digit(const unsigned int* histogram, int remaining, int& digit, int& above) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  int total = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) total += histogram[255 - 8 * lane - j];
+  int running = total;
+#pragma unroll
+  for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+    const int other = __shfl_up_sync(FULL_MASK, running, offset);
+    if (lane >= offset) running += other;
+  }
+  running -= total;
+  bool found = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int candidate = 255 - 8 * lane - j, count = histogram[candidate];
+    if (running < remaining && remaining <= running + count) {
+      found = true;
+      digit = candidate;
+      above = running;
+    }
+    running += count;
+  }
+  return found;
+}
+
 // The fallback's radix select over logits [n], a byte at a time from the top: the order key of
 // the k-th largest, and how many of the logits equal to it are among the k largest (`ties_kept`).
 __device__ void kth_largest(const float* logits, int n, int k, unsigned int& threshold, int& ties_kept) {
@@ -302,9 +350,8 @@ __device__ void kth_largest(const float* logits, int n, int k, unsigned int& thr
       count_digit(histogram, i < n && (key & mask) == prefix ? (key >> shift) & 255u : NO_DIGIT);
     });
     __syncthreads();
-    if (threadIdx.x == 0) {  // the digit, from the largest down, whose bucket holds the remaining-th
-      int above = 0, digit = 255;
-      for (; digit > 0 && above + (int)histogram[digit] < remaining; --digit) above += histogram[digit];
+    int digit, above;
+    if (threadIdx.x < WARP_SIZE && find_digit(histogram, remaining, digit, above)) {
       chosen_prefix = prefix | ((unsigned int)digit << shift);
       chosen_remaining = remaining - above;
     }
@@ -312,7 +359,7 @@ __device__ void kth_largest(const float* logits, int n, int k, unsigned int& thr
     prefix = chosen_prefix;
     remaining = chosen_remaining;
     mask |= 255u << shift;
-    __syncthreads();  // before the next round clears the histogram thread 0 just read
+    __syncthreads();  // before the next round clears the histogram warp 0 just read
   }
   threshold = prefix;
   ties_kept = remaining;
@@ -387,27 +434,11 @@ __device__ unsigned long long kth_largest_pair(const unsigned long long* pool, i
       count_digit(histogram, i < count && (pool[i] & mask) == prefix ? (int)((pool[i] >> shift) & 255u) : NO_DIGIT);
     }
     __syncthreads();
-    if (threadIdx.x < WARP_SIZE) {  // lane l holds digits 255-8l down to 248-8l
-      const int lane = threadIdx.x;
-      int total = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) total += histogram[255 - 8 * lane - j];
-      int above = total;
-#pragma unroll
-      for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-        const int other = __shfl_up_sync(FULL_MASK, above, offset);
-        if (lane >= offset) above += other;
-      }
-      above -= total;
-      for (int j = 0; j < 8; ++j) {
-        const int digit = 255 - 8 * lane - j, in_digit = histogram[digit];
-        if (above < remaining && remaining <= above + in_digit) {
-          chosen_prefix = prefix | ((unsigned long long)digit << shift);
-          chosen_remaining = remaining - above;
-          settled = in_digit == remaining - above || shift == 0;  // every pair of this digit is kept
-        }
-        above += in_digit;
-      }
+    int digit, above;
+    if (threadIdx.x < WARP_SIZE && find_digit(histogram, remaining, digit, above)) {
+      chosen_prefix = prefix | ((unsigned long long)digit << shift);
+      chosen_remaining = remaining - above;
+      settled = (int)histogram[digit] == remaining - above || shift == 0;  // every pair of this digit is kept
     }
     __syncthreads();
     prefix = chosen_prefix;
@@ -452,9 +483,7 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
   __shared__ double warp_totals[ARGMAX_THREADS / WARP_SIZE];
   __shared__ int scratch[WARP_SIZE];
   __shared__ int pairs, members;
-  __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
-  __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
-  const int k = settings.top_k, lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int k = settings.top_k;
   unsigned int* histogram = reinterpret_cast<unsigned int*>(pool);
 
   // Pass 1: each thread's largest logit, and for a top-p alone the mass of every token, float64
@@ -556,15 +585,7 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
     index = kept_id(pool[threadIdx.x]);
     value = (float)__dadd_rn((double)logits[index], __dmul_rn(settings.temperature, gumbel_noise(step, index)));
   }
-  warp_argmax(value, index);
-  if (lane == 0) {
-    warp_values[warp] = value;
-    warp_indices[warp] = index;
-  }
-  __syncthreads();
-  value = warp_values[lane];
-  index = warp_indices[lane];
-  warp_argmax(value, index);  // every warp reduces the same 32 candidates
+  block_argmax(value, index);
   return index;
 }
 
@@ -586,11 +607,6 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_select_next(const float* candidate_values, const int* candidate_indices,
                    int num_candidates, int* __restrict__ state, int* __restrict__ head_slots, int slots,
                    const float* logits, const SamplerSettings* sampler) {
-  __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
-  __shared__ int warp_indices[ARGMAX_THREADS / WARP_SIZE];
-  __shared__ float best_value;
-  __shared__ int best_index;
-  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   let_next_kernel_launch();
   // As in lm_head_logits: no kernel of this step writes the sampler or the position.
   const bool filter = sampler != nullptr && sampler->top_k > 0 && sampler->temperature > 0;
@@ -606,24 +622,8 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
       index = candidate_indices[c];
     }
   }
-  warp_argmax(value, index);
-  if (lane == 0) {
-    warp_values[warp] = value;
-    warp_indices[warp] = index;
-  }
   flagged = __syncthreads_or(flagged);
-  if (warp == 0) {
-    value = warp_values[lane];
-    index = warp_indices[lane];
-    warp_argmax(value, index);
-    if (lane == 0) {
-      best_value = value;
-      best_index = index;
-    }
-  }
-  __syncthreads();
-  value = best_value;
-  index = best_index;
+  block_argmax(value, index);
   const bool usable = !flagged && value != NEGATIVE_INFINITY;
   int status = usable ? 0 : STATUS_NOT_FINITE;
   if (filter && usable) {
