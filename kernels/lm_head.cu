@@ -190,6 +190,7 @@ constexpr int POOL = 4096;                 // (logit, id) pairs that shared memo
 constexpr int NO_DIGIT = 256;              // a logit outside the radix select's current prefix
 static_assert(BUCKETS * sizeof(unsigned int) <= POOL * sizeof(unsigned long long), "the histogram lives in the pool");
 static_assert(POOL >= TOP_K_MAX && POOL % ARGMAX_THREADS == 0, "the pool holds the kept, a whole number per thread");
+static_assert(ARGMAX_THREADS == WARP_SIZE * WARP_SIZE, "one warp reduces the warps' totals, a lane each");
 
 // A float's bits as an unsigned key in the float's order; -0 counts as +0, as numpy compares them.
 __device__ __forceinline__ unsigned int order_key(float value) {
