@@ -600,14 +600,17 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
 // reads it without a copy in the stream: row position % slots of `head_slots`, pinned host memory
 // mapped into the GPU's address space (null: not written). A device-to-host copy after each step
 // ran between two graph launches; a store to host memory inside the kernel does not
-// (nanoqwen.backend_cuda.CudaBackend.next_tokens reads the rows).
+// (nanoqwen.backend_cuda.CudaBackend.next_tokens reads the rows). A step that leaves its draw to
+// the host copies its logits to row position % slots of `handed_back`, where the step queued
+// behind it, which overwrites `logits`, does not write unless it hands back too.
 // grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh);
-// head_slots int32 [slots, STATE_PAGE_TABLE] or null; logits fp32 [NQ_VOCAB]; sampler: null, greedy.
+// head_slots int32 [slots, STATE_PAGE_TABLE] or null; logits fp32 [NQ_VOCAB]; sampler: null, greedy;
+// handed_back fp32 [slots, NQ_VOCAB] or null.
 // The candidates and logits are lm_head_logits' output: ordinary loads, as for x above.
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_select_next(const float* candidate_values, const int* candidate_indices,
                    int num_candidates, int* __restrict__ state, int* __restrict__ head_slots, int slots,
-                   const float* logits, const SamplerSettings* sampler) {
+                   const float* logits, const SamplerSettings* sampler, float* __restrict__ handed_back) {
   let_next_kernel_launch();
   // As in lm_head_logits: no kernel of this step writes the sampler or the position.
   const bool filter = sampler != nullptr && sampler->top_k > 0 && sampler->temperature > 0;
@@ -629,8 +632,17 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
   int status = usable ? 0 : STATUS_NOT_FINITE;
   if (filter && usable) {
     const int drawn = filtered_draw(logits, NQ_VOCAB, value, *sampler, position);
-    if (drawn < 0) status = STATUS_HOST_DRAWS;  // the token stays the argmax, for no one to read
-    else index = drawn;
+    if (drawn < 0) {  // the token stays the argmax, for no one to read
+      status = STATUS_HOST_DRAWS;
+      if (handed_back != nullptr) {
+        float* copy = handed_back + (long long)(position % slots) * NQ_VOCAB;
+        for_each_logit(logits, NQ_VOCAB, [&](int i, float value) {
+          if (i < NQ_VOCAB) copy[i] = value;
+        });
+      }
+    } else {
+      index = drawn;
+    }
   }
   if (threadIdx.x == 0) {
     const int head[STATE_PAGE_TABLE] = {index, position + 1, state[STATE_SEQ_LEN] + 1, status};

@@ -32,7 +32,8 @@ argmax_select_next also stores each step's new state head in mapped host memory 
 where the host reads the chosen tokens without a copy in the stream. The device chooses greedy and
 sampled tokens (the sampler's settings are one more device array, `sampler`), except a top-k above
 TOP_K_MAX, and the steps of a top-p alone whose run is longer than the TOP_K_MAX tokens the device
-keeps (`may_hand_back`): those bring the logits to the host (nanoqwen.sampling).
+keeps (`may_hand_back`): those bring the logits to the host (nanoqwen.sampling), from a copy
+(`handed_back`) that the step queued behind them does not overwrite.
 
 Prefill runs whole prompts through cuBLAS: each INT4 matrix is expanded into an fp16 scratch
 buffer and multiplied with fp16 activations, accumulating in fp32 (cublasGemmEx). The only
@@ -513,6 +514,8 @@ class CudaBackend:
         self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32) if self.activations == "int8" else None
         self.down_out = cp.empty(c.hidden_size, dtype=cp.float32)
         self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
+        # A step that leaves its draw to the host copies its logits to row position % HEAD_SLOTS.
+        self.handed_back = cp.empty((HEAD_SLOTS, c.vocab_size), dtype=cp.float32)
         self.lm_head_blocks = persistent_blocks(self.kernels["lm_head_logits"], LM_HEAD_THREADS, self.num_sms)
         self.candidate_values = cp.empty(self.lm_head_blocks, dtype=cp.float32)
         self.candidate_indices = cp.empty(self.lm_head_blocks, dtype=cp.int32)
@@ -632,7 +635,7 @@ class CudaBackend:
             k["argmax_select_next"](
                 (1,), (ARGMAX_THREADS,),
                 (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
-                 self.head_slots_address, np.int32(HEAD_SLOTS), self.logits, self.sampler),
+                 self.head_slots_address, np.int32(HEAD_SLOTS), self.logits, self.sampler, self.handed_back),
             )
         return self.launches_per_token
 
@@ -735,11 +738,16 @@ class CudaBackend:
         self._step(token_id, position, page_table)
         self.stream.synchronize()
         token = self._token_after(position)
-        if token is None:  # a top-p run longer than the device keeps; the logits are this step's
-            self.host_draws += 1
-            return sample(self.logits.get(stream=self.stream), sampling, position)
+        if token is None:  # a top-p run longer than the device keeps
+            return self._host_draw(position, sampling)
         self._device_holds = (token, position + 1, self._pending)
         return token
+
+    def _host_draw(self, position: int, sampling: SamplingParams) -> int:
+        """The token the host draws for the step at `position`, which left its draw to the host, from
+        the logits that step copied to `handed_back` (waits for every step queued on the stream)."""
+        self.host_draws += 1
+        return sample(self.handed_back[position % HEAD_SLOTS].get(stream=self.stream), sampling, position)
 
     def _token_after(self, position: int) -> int | None:
         """The token that the finished step at `position` chose, from its row of `head_slots`
@@ -763,12 +771,17 @@ class CudaBackend:
         graph launches, cost about 8 us per token on two H200s (results/graph-readback-h200.md). A
         consumer that stops early leaves at most one extra step computed, at a position inside the
         `steps` it asked for (the engine reserves their pages), never read.
+
+        A top-p alone may leave a step's draw to the host (`may_hand_back`). That step copies its
+        logits to `handed_back`, where the step queued behind it does not write; the host draws
+        from them and runs the next step again from its token. After such a step the generator
+        waits for each step until the device draws one again, so a flat stretch of steps wastes
+        no more than its first.
         """
         if steps <= 0:
             return
-        vocab = self.config.vocab_size
-        if device_top_k(sampling, vocab) is None or may_hand_back(sampling, vocab) or not self.use_graph:
-            # the host chooses or may have to, or eager launches: one step at a time
+        if device_top_k(sampling, self.config.vocab_size) is None or not self.use_graph:
+            # the host chooses, or eager launches: one step at a time
             for k in range(steps):
                 token_id = self.decode_next(token_id, position + k, page_table, sampling)
                 yield token_id
@@ -780,15 +793,33 @@ class CudaBackend:
         graph = self.decode_graph()
         done = [cp.cuda.Event(disable_timing=True) for _ in range(HEAD_SLOTS)]
         done[position % HEAD_SLOTS].record(self.stream)
+        end, launched, run_ahead = position + steps, position, True  # launched: the last step on the stream
+
+        def launch_next(p: int) -> int:
+            graph.launch()  # step p + 1 reads the token step p chose, on the device
+            done[(p + 1) % HEAD_SLOTS].record(self.stream)
+            return p + 1
+
         try:
-            for p in range(position, position + steps):
-                if p + 1 < position + steps:
-                    graph.launch()  # step p + 1 reads the token step p chose, on the device
-                    done[(p + 1) % HEAD_SLOTS].record(self.stream)
+            for p in range(position, end):
+                if run_ahead and launched == p and p + 1 < end:
+                    launched = launch_next(p)
                 done[p % HEAD_SLOTS].synchronize()
                 token = self._token_after(p)
-                if token is None:  # may_hand_back said no step of this sampling would
-                    raise RuntimeError(f"the step at {p} left its draw to the host with {sampling}")
+                if token is None:  # drawn on the host, from the logits step p copied aside
+                    if not may_hand_back(sampling, self.config.vocab_size):
+                        raise RuntimeError(f"the step at {p} left its draw to the host with {sampling}")
+                    token = self._host_draw(p, sampling)
+                    if p + 1 < end:  # step p + 1 again (or first), from the host's token
+                        self._device_holds = None
+                        self._step(token, p + 1, page_table)
+                        done[(p + 1) % HEAD_SLOTS].record(self.stream)
+                        launched = p + 1
+                    run_ahead = False  # a flat stretch: wait for each step until the device draws again
+                else:
+                    if launched == p and p + 1 < end:
+                        launched = launch_next(p)
+                    run_ahead = True
                 yield token
         finally:
             self._device_holds = None  # a step may have run ahead: the next request uploads

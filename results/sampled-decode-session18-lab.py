@@ -5,7 +5,8 @@ trees, each in its own process:
     PYTHONPATH=<tree> python3 results/sampled-decode-session18-lab.py LABEL OUT.json /tmp/q7b.nanoqwen
 
 The random weights give flat logits, on which a top-p of 0.95 alone runs past the 1,024 tokens the
-device keeps at every step; at temperature 0.05 the same top-p ends among them.
+device keeps at every step; at temperature 0.05 the same top-p ends among them. Session 19 added
+temperatures between, where some steps run past them and some do not.
 """
 import json
 import statistics
@@ -19,7 +20,9 @@ SETTINGS = {"greedy": {}, "temperature 0.7": dict(temperature=0.7),
             "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
             "temperature 0.7, top-k 40, top-p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
             "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95),
-            "temperature 0.05, top-p 0.95": dict(temperature=0.05, top_p=0.95)}
+            "temperature 0.05, top-p 0.95": dict(temperature=0.05, top_p=0.95),
+            # since session 19: temperatures between, where some steps hand their draw back
+            **{f"temperature {t}, top-p 0.95": dict(temperature=t, top_p=0.95) for t in (0.1, 0.2, 0.3)}}
 label, out, path = sys.argv[1:4]
 engine = Engine(path, backend="cuda", max_context=512 + 128)
 ids = np.random.default_rng(0).integers(0, min(engine.config.vocab_size, 150000), 512).tolist()

@@ -1,5 +1,6 @@
 """Under compute-sanitizer: argmax_select_next's filtered draw at the 7B's vocabulary and at 1003,
-on the fast path (normal logits), the fallback (ties) and top-p alone (handed back or not)."""
+on the fast path (normal logits), the fallback (ties) and top-p alone (handed back or not); since
+session 19 it also checks the logits a hand-back copies aside."""
 import numpy as np, cupy as cp
 from nanoqwen import cuda_build
 from nanoqwen.config import ModelConfig
@@ -20,11 +21,15 @@ for config in (QWEN25_CODER_7B, ODD):
             params = SamplingParams(temperature=0.8, seed=3, **filters)
             best = int(np.argmax(logits))
             state = cp.asarray([7, 100, 101, 0, 0], dtype=cp.int32)
+            handed_back = cp.full((2, v), cp.nan, dtype=cp.float32)  # since session 19: row 100 % 2 on a hand-back
             select((1,), (ARGMAX_THREADS,), (cp.asarray([logits[best]]), cp.asarray([best], dtype=cp.int32), np.int32(1), state,
-                                             NULL, np.int32(1), cp.asarray(logits), cp.asarray(sampler_settings(params, v))))
+                                             NULL, np.int32(2), cp.asarray(logits), cp.asarray(sampler_settings(params, v)),
+                                             handed_back))
             token, status = int(state[0].get()), int(state[3].get())
             want = sample(logits, params, 100)
-            ok = status == 2 or token == want
+            copies = handed_back.get()
+            copied = status == 2 and np.array_equal(copies[0], logits) and np.isnan(copies[1]).all()
+            ok = (copied or token == want) and (status == 2 or np.isnan(copies).all())
             bad += not ok
             print(v, kind, filters, "status", status, "ok" if ok else f"DIFFER {token} {want}")
 print("bad", bad)

@@ -384,7 +384,7 @@ def test_lm_head_and_greedy_argmax(config_name, grid):
     slots[:] = -7
     kernel(config_name, "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state,
                                                                         np.uint64(slots.ctypes.data), np.int32(16),
-                                                                        logits, NULL))
+                                                                        logits, NULL, NULL))
     cp.cuda.get_current_stream().synchronize()
 
     result = logits.get()
@@ -423,7 +423,7 @@ def test_lm_head_samples_the_tokens_numpy_samples(config_name, temperature):
         state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
         sampler = cp.asarray(sampler_settings(params, v))
         lm_head((blocks,), (LM_HEAD_THREADS,), (cp.asarray(x), weight, logits, values, indices, state, sampler))
-        select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1), logits, sampler))
+        select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1), logits, sampler, NULL))
         token, result = int(state[0].get()), logits.get()
         want = sample(result, params, position)
         assert int(state[3].get()) == 0 and int(state[1].get()) == position + 1
@@ -486,12 +486,17 @@ def test_top_k_and_top_p_on_the_device_draw_what_numpy_draws(config_name, logit_
             best = int(np.argmax(logits))
             values, indices = cp.asarray([logits[best]], dtype=cp.float32), cp.asarray([best], dtype=cp.int32)
             state = cp.asarray([7, position, position + 1, 0, 0], dtype=cp.int32)
-            select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(1), state, NULL, np.int32(1), cp.asarray(logits),
-                                             cp.asarray(sampler_settings(params, v))))
+            handed_back = poisoned(3 * v, cp.float32).reshape(3, v)  # three slots: row position % 3
+            select((1,), (ARGMAX_THREADS,), (values, indices, np.int32(1), state, NULL, np.int32(3), cp.asarray(logits),
+                                             cp.asarray(sampler_settings(params, v)), handed_back))
             token, status, want = int(state[0].get()), int(state[3].get()), sample(logits, params, position)
             assert int(state[1].get()) == position + 1
             case = f"k={top_k} p={top_p} T={temperature} trial {trial}"
+            copies = handed_back.get()
+            slot = position % 3 if status == STATUS_HOST_DRAWS else None
+            assert all(np.isnan(copies[row]).all() for row in range(3) if row != slot), f"{case}: a stray copy"
             if status == STATUS_HOST_DRAWS:
+                np.testing.assert_array_equal(copies[slot], logits, err_msg=f"{case}: the logits handed to the host")
                 assert top_k == 0 and v > TOP_K_MAX, f"{case}: only a top-p alone over more than TOP_K_MAX tokens hands back"
                 assert nucleus_length(logits, params) > TOP_K_MAX or nucleus_on_an_edge(logits, params), \
                     f"{case}: handed to the host a run of {nucleus_length(logits, params)} tokens"
@@ -533,7 +538,7 @@ def test_greedy_argmax_flags_non_finite_logits(poison):
         values[:] = -np.inf
     state = cp.asarray([1, 2, 3, 0, 4], dtype=cp.int32)
     kernel("odd", "argmax_select_next")((1,), (ARGMAX_THREADS,), (values, indices, np.int32(blocks), state, NULL, np.int32(1),
-                                        logits, NULL))
+                                        logits, NULL, NULL))
     assert int(state[3].get()) == 1, f"{poison}: status not raised"
 
 
