@@ -30,8 +30,8 @@ from .sampling import GREEDY
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
-# drawn in the decode graph; a top-p alone runs one step at a time, since a flat step hands its
-# draw to the host (nanoqwen.backend_cuda.may_hand_back).
+# drawn in the decode graph; so is a top-p alone, but for the steps whose run is longer than the
+# device keeps, which the host draws (nanoqwen.backend_cuda.may_hand_back).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
