@@ -210,12 +210,17 @@ def token_of_head(head: np.ndarray) -> int | None:
     return int(head[STATE_TOKEN])
 
 
+def applied_top_k(sampling: SamplingParams, vocab_size: int) -> int:
+    """The top-k that nanoqwen.sampling.sample applies (0: none; it ignores a k >= the vocabulary)."""
+    return sampling.top_k if 0 < sampling.top_k < vocab_size else 0
+
+
 def device_top_k(sampling: SamplingParams, vocab_size: int) -> int | None:
     """The top-k that the device applies for `sampling` (0: none), or None when the host must
     choose: a top-k above TOP_K_MAX. A top-p alone weighs every token; the device then keeps the
     TOP_K_MAX most likely, in which a peaked distribution's run ends (`may_hand_back` says when
     it may not)."""
-    top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0  # sample() ignores k >= vocab
+    top_k = applied_top_k(sampling, vocab_size)
     if top_k == 0:
         return 0 if sampling.top_p == 1 else min(TOP_K_MAX, vocab_size)
     return top_k if top_k <= TOP_K_MAX else None
@@ -223,7 +228,7 @@ def device_top_k(sampling: SamplingParams, vocab_size: int) -> int | None:
 
 def nucleus_of_all(sampling: SamplingParams, vocab_size: int) -> bool:
     """Whether `sampling`'s top-p weighs every token (no top-k applies)."""
-    return not sampling.greedy and sampling.top_p < 1 and not 0 < sampling.top_k < vocab_size
+    return not sampling.greedy and sampling.top_p < 1 and applied_top_k(sampling, vocab_size) == 0
 
 
 def may_hand_back(sampling: SamplingParams, vocab_size: int) -> bool:
