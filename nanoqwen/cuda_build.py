@@ -18,28 +18,27 @@ machine without a GPU (tools/compile_kernels.py).
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import re
 from pathlib import Path
 
 from .config import PAGE_SIZE, ModelConfig
 
-KERNEL_PACKAGE = "nanoqwen.kernels"
 # The decoder layer's kernels (everything but attention), in the order they are included.
 DECODER_KERNEL_FILES = ("rmsnorm.cu", "gemv_int4.cu", "elementwise.cu", "lm_head.cu")
 NVCC_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 
 def kernel_dir() -> Path:
-    """The folder holding the .cu/.cuh files: the installed package `nanoqwen.kernels`, or,
-    when nanoqwen runs from a source tree that is not installed, the repository's kernels/."""
-    try:
-        folder = Path(str(importlib.resources.files(KERNEL_PACKAGE)))
-    except ModuleNotFoundError:
-        folder = Path(__file__).resolve().parent.parent / "kernels"
-    if not (folder / "common.cuh").is_file():
-        raise FileNotFoundError(f"no CUDA kernel sources in {folder} (expected common.cuh there)")
-    return folder
+    """The folder holding the .cu/.cuh files: `kernels/` inside an installed package (the wheel
+    ships them there), or the repository's top-level `kernels/` beside a source tree's package.
+
+    The folder is data, not a Python package: a top-level package named `kernels` would hide
+    Hugging Face's `kernels`, which transformers imports."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "kernels", package.parent / "kernels"):
+        if (folder / "common.cuh").is_file():
+            return folder
+    raise FileNotFoundError(f"no CUDA kernel sources beside {package} (expected kernels/common.cuh)")
 
 
 def kernel_defines(config: ModelConfig) -> dict[str, str]:
