@@ -1,7 +1,7 @@
 // common.cuh: what every nanoqwen kernel file shares.
 //
 // The model's dimensions arrive as preprocessor constants (-DNQ_HIDDEN=3584 ...), set by
-// nanoqwen/cuda_build.py from the ModelConfig, so loop bounds and strides are compile-time
+// nanoqwen/cuda/build.py from the ModelConfig, so loop bounds and strides are compile-time
 // numbers the compiler can unroll. Half-precision values travel as raw 16-bit patterns
 // (`unsigned short`, two of them in an `unsigned int`) and are converted with one PTX
 // instruction each: the sources then need no CUDA header at all, and compile the same under
@@ -11,7 +11,7 @@
 #if !defined(NQ_HIDDEN) || !defined(NQ_INTERMEDIATE) || !defined(NQ_NUM_HEADS) ||         \
     !defined(NQ_NUM_KV_HEADS) || !defined(NQ_HEAD_DIM) || !defined(NQ_VOCAB) ||           \
     !defined(NQ_GROUP_SIZE) || !defined(NQ_PAGE_SIZE) || !defined(NQ_RMS_EPS)
-#error "compile with the model's dimensions: nanoqwen.cuda_build.kernel_defines(config) lists the -D options"
+#error "compile with the model's dimensions: nanoqwen.cuda.build.kernel_defines(config) lists the -D options"
 #endif
 
 #define NQ_Q_DIM (NQ_NUM_HEADS * NQ_HEAD_DIM)
@@ -25,7 +25,7 @@ static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with
 
 // The decode step's inputs live in one device int32 array so that one host-to-device copy
 // sets them and a captured CUDA graph can read them at fixed addresses.
-// nanoqwen/backend_cuda.py mirrors these offsets.
+// nanoqwen/cuda/backend.py mirrors these offsets.
 #define STATE_TOKEN 0       // token id fed to the step; the greedy argmax writes the next one
 #define STATE_POSITION 1    // position of that token in its sequence
 #define STATE_SEQ_LEN 2     // positions attention reads: position + 1
@@ -41,7 +41,7 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 // ---------------------------------------------------------------- programmatic dependent launch
 //
 // Inside the decode graph every kernel is launched with programmatic stream serialization
-// (nanoqwen/cuda_launch.py), which lets a kernel's blocks start while the kernel before it is
+// (nanoqwen/cuda/launch.py), which lets a kernel's blocks start while the kernel before it is
 // still finishing. Each kernel therefore does, in this order:
 //   1. let_next_kernel_launch(): the next kernel may start its own prologue now;
 //   2. work that reads only inputs no earlier kernel of the step writes (weights, the KV pages of

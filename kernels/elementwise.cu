@@ -7,7 +7,7 @@
 // grid (T), block (EMBED_THREADS); token_ids int32 [T] (decode: the step state's token),
 // table fp16 [V, H], residual fp32 [T, H]. Ids are checked on the host (or come from argmax).
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
-// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
+// pointer and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
 constexpr int EMBED_VECTORS = NQ_HIDDEN / 8;  // 16-byte pieces of a table row
 constexpr int EMBED_THREADS = EMBED_VECTORS < 1024 ? EMBED_VECTORS : 1024;
 

@@ -1,6 +1,6 @@
 // gemv_int4.cu: y = W x for one token, W packed INT4 (group 128, fp16 scales), x fp16.
 //
-// Reference (nanoqwen/ops_numpy.py, int4_linear, with nanoqwen/quant.py's dequantize_int4):
+// Reference (nanoqwen/reference/ops.py, int4_linear, with nanoqwen/quant.py's dequantize_int4):
 //     W = (nibble - 8) * scale   fp32 [N, K]
 //     y = x.astype(fp32) @ W.T (+ bias)
 //
@@ -52,7 +52,7 @@
 
 constexpr int TILE_ROWS = 16;
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
-constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/backend_cuda.py mirrors it
+constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/cuda/backend.py mirrors it
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
 // group), one depth per kernel. The best depths were found inside the decode step, where each
@@ -497,7 +497,7 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
 // under programmatic dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
 // grid (ceil(I / 16)), block (32 splits, splits <= GATE_UP_MAX_SPLITS), splits rings of shared
 // memory; h fp16 [I]
-constexpr int GATE_UP_MAX_SPLITS = 4;  // nanoqwen/backend_cuda.py mirrors it
+constexpr int GATE_UP_MAX_SPLITS = 4;  // nanoqwen/cuda/backend.py mirrors it
 using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
 __device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
 

@@ -13,9 +13,9 @@
 //
 // K is a template parameter: one pair of entry points per input width of the model
 // (`_hidden`, `_q_dim`, `_intermediate`, from common.cuh's -D constants, which
-// nanoqwen/cuda_build.py sets), so every loop has a compile-time trip count. N is an argument.
+// nanoqwen/cuda/build.py sets), so every loop has a compile-time trip count. N is an argument.
 //
-// The CPU reference is nanoqwen/int8_path.py: quantize_activations_int8 and int4_int8_linear
+// The CPU reference is nanoqwen/cuda/int8.py: quantize_activations_int8 and int4_int8_linear
 // compute the same bits (every float operation here is an explicit round-to-nearest intrinsic,
 // so no fused multiply-add or fast-math flag can change a result), and
 // tests/test_int8_path.py compares the two on random inputs with assert_array_equal.
@@ -209,9 +209,9 @@ __device__ __forceinline__ void gemv_int4_int8(const uint4* __restrict__ qweight
 
 }  // namespace int8_path
 
-// Entry points, one per input width of the model (the names nanoqwen/int8_path.py looks up).
+// Entry points, one per input width of the model (the names nanoqwen/cuda/int8.py looks up).
 // x, xq and xscale are earlier kernels' output, read with ordinary loads: no __restrict__ on
-// their pointers and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
+// their pointers and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
 #define NQ_INT8_PATH_KERNELS(SUFFIX, K)                                                                 \
   extern "C" __global__ void __launch_bounds__(int8_path::QUANT_WARPS * WARP_SIZE)                     \
       quantize_activations_int8_##SUFFIX(const uint2* x, unsigned int* __restrict__ xq,                 \

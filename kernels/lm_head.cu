@@ -117,7 +117,7 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
 //   logits when greedy), state int32 (common.cuh: the step's position) and sampler: both null, or
 //   both set (prefill's lm_head passes null: the host chooses from its logits)
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
-// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
+// pointer and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
 // Three blocks per SM (24 warps, each with a row in flight) fit at 80 registers a thread; the
 // sampler's float64 arithmetic took ptxas to 86 and the grid to two blocks per SM, which cost
 // greedy decode about 5 us per token on an H200 (results/sampled-decode-device-h200.md).
@@ -600,7 +600,7 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
 // reads it without a copy in the stream: row position % slots of `head_slots`, pinned host memory
 // mapped into the GPU's address space (null: not written). A device-to-host copy after each step
 // ran between two graph launches; a store to host memory inside the kernel does not
-// (nanoqwen.backend_cuda.CudaBackend.next_tokens reads the rows). A step that leaves its draw to
+// (nanoqwen.cuda.backend.CudaBackend.next_tokens reads the rows). A step that leaves its draw to
 // the host copies its logits to row position % slots of `handed_back`, where the step queued
 // behind it, which overwrites `logits`, does not write unless it hands back too.
 // grid (1), block (ARGMAX_THREADS); state int32 [STATE_PAGE_TABLE + pages] (common.cuh);

@@ -6,7 +6,7 @@
 //
 // so one page slice (one page, K or V, one KV head) is 16 x head_dim contiguous halves: 4 KiB
 // at head_dim 128, one bulk copy. Position p of a sequence lives in page table[p / 16], row
-// p % 16. The CPU reference is nanoqwen.ops_numpy.paged_attention.
+// p % 16. The CPU reference is nanoqwen.reference.ops.paged_attention.
 //
 // Decode (one new token, `paged_attention_decode`) is warp-specialized. Block (split, kv
 // head) has one producer warp, which asks the copy engine for the K and V slices of its pages

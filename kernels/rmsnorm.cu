@@ -1,6 +1,6 @@
 // rmsnorm.cu: the residual update fused with the RMSNorm that follows it.
 //
-// Reference (nanoqwen/ops_numpy.py, add_rmsnorm):
+// Reference (nanoqwen/reference/ops.py, add_rmsnorm):
 //     residual = residual + delta                                  fp32 [T, H]
 //     out      = residual / sqrt(mean(residual**2) + eps) * weight  fp32 math, fp16 [T, H]
 //
@@ -101,7 +101,7 @@ __device__ __forceinline__ void store_slice(float4* residual_row, unsigned short
 //   weight    fp16 [H]
 //   out       fp16 [T, H]
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
-// pointer and no __ldg, see nanoqwen/cuda_launch.py ("the read-only path").
+// pointer and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
 add_rmsnorm(float* __restrict__ residual, const float* delta, const unsigned short* __restrict__ weight,
             unsigned short* __restrict__ out) {
@@ -129,7 +129,7 @@ add_rmsnorm(float* __restrict__ residual, const float* delta, const unsigned sho
 // the same inv_rms. The barrier is split: each block announces at its start that it is running
 // (arrive), and waits for the others only just before its remote stores, since a block's shared
 // memory may be written only once the block has started.
-constexpr int RMS_CLUSTER = 8;  // the portable maximum cluster size; nanoqwen/backend_cuda.py mirrors it
+constexpr int RMS_CLUSTER = 8;  // the portable maximum cluster size; nanoqwen/cuda/backend.py mirrors it
 constexpr int CLUSTER_VECTORS = RMS_VECTORS / RMS_CLUSTER;  // float4 per block: 112 for the 7B
 constexpr int CLUSTER_THREADS_WANTED = (CLUSTER_VECTORS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;
 constexpr int CLUSTER_THREADS = CLUSTER_THREADS_WANTED < 1024 ? CLUSTER_THREADS_WANTED : 1024;

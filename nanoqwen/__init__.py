@@ -1,21 +1,44 @@
 """nanoqwen: an annotated LLM inference runtime for Qwen2.5-Coder on NVIDIA Hopper."""
 
-from .config import ConfigError, ModelConfig
-from .loader import Int4Linear, LayerWeights, Model, NanoqwenFormatError, load
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["ConfigError", "Int4Linear", "LayerWeights", "Model", "ModelConfig", "NanoqwenFormatError", "load"]
-
-from .engine import BackendUnavailableError, ContextLengthError, Engine, GenerationError, GenerationResult, TokenPiece
-from .kvcache import KVCacheFullError
+from .config import ModelConfig
+from .engine import Engine, GenerationResult, TokenPiece
+from .errors import (
+    BackendUnavailableError,
+    CheckpointError,
+    ConfigError,
+    ContextLengthError,
+    GenerationError,
+    KVCacheFullError,
+    NanoqwenError,
+    NanoqwenFormatError,
+)
+from .loader import Int4Linear, LayerWeights, Model, load
 from .sampling import SamplingParams
 
-__all__ += [
+try:
+    __version__ = version("nanoqwen")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
+    "ConfigError",
     "ContextLengthError",
     "Engine",
     "GenerationError",
     "GenerationResult",
+    "Int4Linear",
     "KVCacheFullError",
+    "LayerWeights",
+    "Model",
+    "ModelConfig",
+    "NanoqwenError",
+    "NanoqwenFormatError",
     "SamplingParams",
     "TokenPiece",
+    "__version__",
+    "load",
 ]

@@ -26,12 +26,13 @@ import numpy as np
 
 from .cli import subcommand
 from .config import ModelConfig
+from .errors import BackendUnavailableError
 from .sampling import GREEDY
 
 READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
 # drawn in the decode graph; so is a top-p alone, but for the steps whose run is longer than the
-# device keeps, which the host draws (nanoqwen.backend_cuda.may_hand_back).
+# device keeps, which the host draws (nanoqwen.cuda.backend.may_hand_back).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
@@ -176,7 +177,7 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     TIMING_STEPS decode steps after it: where the step-level tools (tools/sweep_gemv_stages.py,
     tools/step_ablation.py) start. Prefill dequantizes per prompt, so no fp16 copies take memory.
     Returns (backend, page_table)."""
-    from .backend_cuda import CudaBackend
+    from .cuda.backend import CudaBackend
     from .kvcache import pages_needed
 
     pages = pages_needed(prompt_tokens + TIMING_STEPS + 1)
@@ -228,7 +229,7 @@ def report_step_timings(tool: str, argv: list[str], rows: list[dict], header: li
                         json_path=None) -> None:
     """Print a step-level tool's results as a Markdown table (`cells`, one list per row, under
     `header`) and, given `json_path`, write `rows` there as a step_timing_record."""
-    from .notebook import markdown_table
+    from .book.notebook import markdown_table
 
     print(markdown_table(header, cells))
     if json_path is not None:
@@ -238,8 +239,8 @@ def report_step_timings(tool: str, argv: list[str], rows: list[dict], header: li
 def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:
     """The decode step captured twice, with programmatic dependent launch and without, timed in
     alternation in the same run: GPU events per step and a host loop per token for each."""
-    from .cuda_graph import DecodeGraph
-    from .cuda_launch import driver_module
+    from .cuda.graph import DecodeGraph
+    from .cuda.launch import driver_module
 
     graphs = {"on": DecodeGraph(backend, pdl=True), "off": DecodeGraph(backend, pdl=False)}
     result = {"engine_graph": backend.decode_graph().mode, "pdl_graph": graphs["on"].mode}
@@ -263,7 +264,7 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
               baseline: bool = False, seed: int = 0, activations: str = "fp16", command: str | None = None,
               prefill_weights: str = "auto") -> dict:
     """Measure `model_path` on the GPU (see the module docstring); returns the report dict."""
-    from .engine import BackendUnavailableError, Engine, cuda_available
+    from .engine import Engine, cuda_available
     from .kvcache import pages_needed
     from .loader import load
 
@@ -349,7 +350,7 @@ def _sampled_decode(engine, ids: list[int], new_tokens: int, repeats: int, seed:
 
 def _step_costs(engine, ids: list[int], pages: int):
     """One decode step: eager launches against the captured graph, and per-kernel costs."""
-    from .cuda_graph import step_timeline
+    from .cuda.graph import step_timeline
 
     backend, prompt_tokens = engine.backend, len(ids)
     backend.set_sampler(GREEDY)  # the protocol's step, whatever an earlier request drew with

@@ -23,10 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError
-from .loader import NanoqwenFormatError
-from .safetensors_reader import CheckpointError
-from .sampling import GenerationError
+from .errors import ConfigError, NanoqwenFormatError, CheckpointError, GenerationError, ContextLengthError, BackendUnavailableError
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "nano-coder" / "nano-coder.nanoqwen"
 OPTIONAL_SUBCOMMAND_MODULES = ("nanoqwen.bench",)
@@ -47,7 +44,6 @@ def subcommand(name: str, help: str, arguments: Callable[[argparse.ArgumentParse
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from .engine import BackendUnavailableError
 
     return USER_ERRORS + (BackendUnavailableError,)
 
@@ -244,7 +240,6 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
 
 @subcommand("chat", "talk to a model through its chat template (/exit to leave, /reset to forget)", _chat_arguments)
 def run_chat(args: argparse.Namespace) -> int:
-    from .engine import ContextLengthError
 
     try:
         import readline  # noqa: F401  (importing it gives input() line editing and history)

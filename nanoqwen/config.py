@@ -5,13 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from .errors import ConfigError
 
 GROUP_SIZE = 128  # INT4 weights share one fp16 scale per 128 input elements
 PAGE_SIZE = 16  # tokens per KV-cache page
 
-
-class ConfigError(ValueError):
-    """A model configuration that nanoqwen cannot run."""
 
 
 @dataclass(frozen=True)

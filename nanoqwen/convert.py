@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .errors import ConfigError, CheckpointError
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
-from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from .safetensors_reader import SafetensorsCheckpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ROWS_PER_CHUNK = 4096  # quantize big matrices in slices so temporaries stay ~100 MB

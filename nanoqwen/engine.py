@@ -24,17 +24,15 @@ from typing import Protocol
 import numpy as np
 
 from .config import ModelConfig
-from .kvcache import KVCacheFullError, PageAllocator, pages_needed
+from .errors import BackendUnavailableError, ContextLengthError, GenerationError, KVCacheFullError
+from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
-from .sampling import GREEDY, GenerationError, SamplingParams, sample
+from .sampling import GREEDY, SamplingParams, sample
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
     "Backend",
-    "BackendUnavailableError",
-    "ContextLengthError",
     "Engine",
-    "GenerationError",
     "GenerationResult",
     "Stream",
     "TokenPiece",
@@ -77,12 +75,6 @@ class Backend(Protocol):
         back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (no CuPy, no GPU, no CUDA backend)."""
-
-
-class ContextLengthError(GenerationError):
-    """prompt + max_new_tokens does not fit the model's context or the engine's KV cache."""
 
 
 @dataclass(frozen=True)
@@ -160,8 +152,8 @@ def cuda_unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here, or None when it can."""
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'nanoqwen[cuda12]' or '[cuda13]')"
-    if importlib.util.find_spec("nanoqwen.backend_cuda") is None:
-        return "this nanoqwen has no nanoqwen.backend_cuda module"
+    if importlib.util.find_spec("nanoqwen.cuda.backend") is None:
+        return "this nanoqwen has no nanoqwen.cuda.backend module"
     try:
         import cupy
 
@@ -195,7 +187,7 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
     if name == "auto":
         name = "cuda" if cuda_available() else "numpy"
     if name == "numpy":
-        from .backend_numpy import NumpyBackend
+        from .reference.backend import NumpyBackend
 
         if activations != "fp16":
             raise BackendUnavailableError("INT8 activations (chapter 7's Path A) exist on the CUDA backend only")
@@ -205,7 +197,7 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
     reason = cuda_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"backend 'cuda' cannot run here: {reason}; use --backend numpy to run on the CPU")
-    from .backend_cuda import CudaBackend
+    from .cuda.backend import CudaBackend
 
     return CudaBackend(model, num_pages, activations=activations, prefill_weights=prefill_weights)
 

@@ -18,10 +18,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from .config import PAGE_SIZE, ModelConfig
+from .errors import KVCacheFullError
 
 __all__ = [
     "PAGE_SIZE",
-    "KVCacheFullError",
     "PageAllocator",
     "check_positions",
     "check_tokens",
@@ -30,9 +30,6 @@ __all__ = [
     "pages_needed",
 ]
 
-
-class KVCacheFullError(RuntimeError):
-    """The pool has fewer free pages than a request asked for."""
 
 
 def pages_needed(num_tokens: int) -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import GROUP_SIZE, ConfigError, ModelConfig
+from .config import GROUP_SIZE, ModelConfig
+from .errors import ConfigError, NanoqwenFormatError
 from .format import (
     ALIGNMENT,
     CONFIG_FIELDS,
@@ -34,9 +35,6 @@ from .format import (
 
 TOKENIZER_PREFIX = "tokenizer/"
 
-
-class NanoqwenFormatError(ValueError):
-    """The file is not a valid .nanoqwen file; the message says what is wrong and where."""
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from .errors import CheckpointError
 
 _NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be converted; the message names the file or tensor."""
 
 
 class SafetensorsCheckpoint:

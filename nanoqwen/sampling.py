@@ -19,19 +19,14 @@ import secrets
 from dataclasses import dataclass
 
 import numpy as np
+from .errors import GenerationError
 
-__all__ = ["GREEDY", "GenerationError", "SamplingParams", "gumbel_noise", "sample"]
+__all__ = ["GREEDY", "SamplingParams", "gumbel_noise", "sample"]
 
 # The largest temperature accepted. Each key is rounded to float32 (as the kernel's candidates
 # are), and temperature * noise must stay far inside its range; a softmax at 1e30 is uniform anyway.
 MAX_TEMPERATURE = 1e30
 
-
-class GenerationError(ValueError):
-    """A generation request the engine cannot serve; the message names the argument at fault.
-
-    It lives here, the lowest module that raises it; `nanoqwen.GenerationError` is the same class.
-    """
 
 
 def _is_int(value) -> bool:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import tokenizers
 
-from .loader import TOKENIZER_PREFIX, NanoqwenFormatError
-from .sampling import GenerationError
+from .loader import TOKENIZER_PREFIX
+from .errors import NanoqwenFormatError, GenerationError
 
 __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer"]
 

@@ -2,10 +2,10 @@
 on the fast path (normal logits), the fallback (ties) and top-p alone (handed back or not); since
 session 19 it also checks the logits a hand-back copies aside."""
 import numpy as np, cupy as cp
-from nanoqwen import cuda_build
+from nanoqwen.cuda import build
 from nanoqwen.config import ModelConfig
 from nanoqwen.random_model import QWEN25_CODER_7B
-from nanoqwen.backend_cuda import ARGMAX_THREADS, NULL, sampler_settings
+from nanoqwen.cuda.backend import ARGMAX_THREADS, NULL, sampler_settings
 from nanoqwen.sampling import SamplingParams, sample
 
 ODD = ModelConfig(num_layers=2, hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64,
@@ -14,7 +14,7 @@ rng = np.random.default_rng(1)
 bad = 0
 for config in (QWEN25_CODER_7B, ODD):
     v = config.vocab_size
-    select = cuda_build.compile_module(config).get_function("argmax_select_next")
+    select = build.compile_module(config).get_function("argmax_select_next")
     for kind in ("normal", "ties"):
         logits = (rng.standard_normal(v) * 3).astype(np.float32) if kind == "normal" else (rng.integers(-12, 1, v) / 4).astype(np.float32)
         for filters in (dict(top_k=40), dict(top_k=1000, top_p=0.9), dict(top_p=0.95), dict(top_p=0.3)):

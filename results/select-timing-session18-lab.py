@@ -9,14 +9,14 @@ the last launch left (2: the host is to draw).
 """
 import json, sys
 import numpy as np, cupy as cp
-from nanoqwen import cuda_build
+from nanoqwen.cuda import build
 from nanoqwen.random_model import QWEN25_CODER_7B
-from nanoqwen.backend_cuda import ARGMAX_THREADS, NULL, sampler_settings
+from nanoqwen.cuda.backend import ARGMAX_THREADS, NULL, sampler_settings
 from nanoqwen.sampling import SamplingParams
 
 c = QWEN25_CODER_7B
 v = c.vocab_size
-mod = cuda_build.compile_module(c)
+mod = build.compile_module(c)
 select = mod.get_function("argmax_select_next")
 rng = np.random.default_rng(0)
 rows = []

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen import ops_numpy
+from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
-from nanoqwen.cuda_attention import check_config, decode_splits, random_paged_cache, relative_error, split_pages
+from nanoqwen.cuda.attention import check_config, decode_splits, random_paged_cache, relative_error, split_pages
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 
@@ -58,7 +58,7 @@ def test_random_cache_poisons_every_row_the_sequence_does_not_own():
     config = shape(4, 2, 32)
     pool, table = random_paged_cache(config, 17, np.random.default_rng(0))
     assert len(table) == 2 and len(set(table.tolist())) == 2
-    k, v = ops_numpy.gather_kv(pool, 0, table, 17)
+    k, v = ops.gather_kv(pool, 0, table, 17)
     assert np.isfinite(k).all() and np.isfinite(v).all()
     assert np.isnan(pool[0, table[1], :, :, 1:]).all()  # the tail page past position 16
     spare = np.setdiff1d(np.arange(pool.shape[1]), table)
@@ -86,7 +86,7 @@ def run_decode(cp, attention, config, seq_len, rng):
     table_d[: len(table)] = cp.asarray(table)
     out = cp.full(config.q_dim, np.nan, dtype=cp.float16)  # poisoned: every element must be written
     attention.decode(cp.asarray(q), cp.asarray(pool[0]), table_d, cp.asarray(np.array([seq_len], np.int32)), out)
-    ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+    ref = ops.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
                                     np.array([seq_len - 1]))
     return relative_error(out.get(), ref.reshape(-1))
 
@@ -94,7 +94,7 @@ def run_decode(cp, attention, config, seq_len, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", SHAPES, ids=SHAPE_IDS)
 def test_decode_matches_the_oracle(cp, config):
-    from nanoqwen.cuda_attention import PagedAttention
+    from nanoqwen.cuda.attention import PagedAttention
 
     rng = np.random.default_rng(1)
     grid_for_long = PagedAttention(config, num_pages=300, max_seq_len=4096)
@@ -109,7 +109,7 @@ def test_decode_matches_the_oracle(cp, config):
 @pytest.mark.parametrize("config", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("start_pos,num_tokens", [(0, 1), (0, 17), (0, 200), (37, 5), (500, 64)])
 def test_prefill_matches_the_oracle(cp, config, start_pos, num_tokens):
-    from nanoqwen.cuda_attention import PagedAttention
+    from nanoqwen.cuda.attention import PagedAttention
 
     rng = np.random.default_rng(start_pos * 1000 + num_tokens)
     attention = PagedAttention(config, num_pages=300, max_seq_len=4096)
@@ -118,14 +118,14 @@ def test_prefill_matches_the_oracle(cp, config, start_pos, num_tokens):
     q = (2.0 * rng.standard_normal((num_tokens, config.q_dim))).astype(np.float32)
     out = cp.full((num_tokens, config.q_dim), np.nan, dtype=cp.float16)
     attention.prefill(cp.asarray(q), cp.asarray(pool[0]), cp.asarray(table), start_pos, num_tokens, out)
-    ref = ops_numpy.paged_attention(q.reshape(num_tokens, config.num_heads, config.head_dim), pool, 0, table,
+    ref = ops.paged_attention(q.reshape(num_tokens, config.num_heads, config.head_dim), pool, 0, table,
                                     start_pos + np.arange(num_tokens))
     assert relative_error(out.get(), ref.reshape(num_tokens, -1)) < 3e-3
 
 
 @pytest.mark.gpu
 def test_one_captured_graph_serves_every_length(cp):
-    from nanoqwen.cuda_attention import PagedAttention
+    from nanoqwen.cuda.attention import PagedAttention
 
     config = QWEN25_CODER_7B
     rng = np.random.default_rng(5)
@@ -146,14 +146,14 @@ def test_one_captured_graph_serves_every_length(cp):
             out.fill(np.nan)
             graph.launch(stream)
             stream.synchronize()
-            ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+            ref = ops.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
                                             np.array([n - 1]))
             assert relative_error(out.get(), ref.reshape(-1)) < 2e-3, n
 
 
 @pytest.mark.gpu
 def test_bad_arguments_are_refused(cp):
-    from nanoqwen.cuda_attention import PagedAttention
+    from nanoqwen.cuda.attention import PagedAttention
 
     config = shape(4, 2, 32)
     attention = PagedAttention(config, num_pages=8, max_seq_len=128)

@@ -1,4 +1,4 @@
-"""The CPU model of the decode kernel's producer/consumer hand-off (nanoqwen/barrier_sim.py).
+"""The CPU model of the decode kernel's producer/consumer hand-off (nanoqwen/book/barrier_sim.py).
 
 Exhaustive search on small pipelines, random schedules on the kernel's own shape (8 stages,
 4 consumer warps, a tail of pages that wraps the stages twice).
@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from nanoqwen import barrier_sim as sim
-from nanoqwen.barrier_sim import (
+from nanoqwen.book import barrier_sim as sim
+from nanoqwen.book.barrier_sim import (
     BROKEN,
     FIXED,
     LANE0_MBARRIER,

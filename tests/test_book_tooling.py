@@ -229,7 +229,7 @@ def test_readme_quickstart_is_what_ci_runs():
 
 def test_markdown_tables_escape_pipes_inside_cells():
     """A cell naming the q|k|v projection stays one cell in the rendered table."""
-    from nanoqwen.notebook import markdown_table
+    from nanoqwen.book.notebook import markdown_table
 
     lines = markdown_table(["kernel", "µs"], [["without q|k|v GEMV", 28]]).splitlines()
     assert lines == ["| kernel | µs |", "|---|---|", "| without q\\|k\\|v GEMV | 28 |"]

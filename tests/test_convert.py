@@ -15,7 +15,8 @@ import nanoqwen  # noqa: E402
 from nanoqwen.convert import convert, resolve_source  # noqa: E402
 from nanoqwen.format import NanoqwenWriter  # noqa: E402
 from nanoqwen.quant import dequantize_int4, quantize_int4  # noqa: E402
-from nanoqwen.safetensors_reader import CheckpointError, SafetensorsCheckpoint  # noqa: E402
+from nanoqwen.safetensors_reader import SafetensorsCheckpoint# noqa: E402
+from nanoqwen.errors import CheckpointError
 
 TOKENIZER = {
     "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}\n',

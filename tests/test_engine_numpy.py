@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 import nanoqwen
-from nanoqwen import backend_numpy
-from nanoqwen.engine import ContextLengthError, Engine, GenerationError
+from nanoqwen.reference import backend as backend_numpy
+from nanoqwen.engine import Engine
+from nanoqwen.errors import GenerationError, ContextLengthError
 from nanoqwen.kvcache import PAGE_SIZE
 from nanoqwen.testing import make_nanoqwen, reference_model
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nanoqwen.config import GROUP_SIZE, ModelConfig
-from nanoqwen.int8_path import (
+from nanoqwen.cuda.int8 import (
     ACT_QMAX,
     PAIR_ORDER,
     Int8Gemv,

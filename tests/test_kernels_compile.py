@@ -49,13 +49,13 @@ def test_ptxas_report_parser():
 
 
 def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
-    """The per-kernel GEMV settings of nanoqwen.backend_cuda name the same four kernels, and
+    """The per-kernel GEMV settings of nanoqwen.cuda.backend name the same four kernels, and
     kernels/gemv_int4.cu gives each its ring-depth macro (with a default) and the `__device__ int
     <kernel>_ring_bytes` the host reads at start: a mismatch would only show on a GPU."""
     import re
 
-    from nanoqwen.backend_cuda import GEMV_CARVEOUT_PERCENT, GEMV_MAX_WARPS, GEMV_STAGES_MACROS
-    from nanoqwen.cuda_build import macro_defaults
+    from nanoqwen.cuda.backend import GEMV_CARVEOUT_PERCENT, GEMV_MAX_WARPS, GEMV_STAGES_MACROS
+    from nanoqwen.cuda.build import macro_defaults
 
     source = (REPO / "kernels" / "gemv_int4.cu").read_text()
     depths = macro_defaults("gemv_int4.cu")
@@ -70,9 +70,9 @@ def test_chain_gemv_splits_fit_their_rings():
     """q|k|v and o split K until no warp has more groups than CHAIN_GEMV_GROUPS_PER_SPLIT, and their
     rings hold that many, so every group of a split is a ring slot of its own; down_proj keeps the
     warps-per-SM rule. The 7B on an H200 gets ten warps per tile for all three."""
-    from nanoqwen.backend_cuda import (CHAIN_GEMV_GROUPS_PER_SPLIT, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS,
+    from nanoqwen.cuda.backend import (CHAIN_GEMV_GROUPS_PER_SPLIT, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS,
                                        gemv_splits, projection_splits)
-    from nanoqwen.cuda_build import macro_defaults
+    from nanoqwen.cuda.build import macro_defaults
     from nanoqwen.random_model import QWEN25_CODER_7B as c
 
     depths = macro_defaults("gemv_int4.cu")
@@ -94,7 +94,7 @@ def test_the_step_timeline_adds_no_shared_memory(tmp_path):
     timeline would then time another step than the engine's."""
     import re
 
-    from nanoqwen.cuda_build import DECODER_KERNEL_FILES, kernel_dir, nvcc_command
+    from nanoqwen.cuda.build import DECODER_KERNEL_FILES, kernel_dir, nvcc_command
     from nanoqwen.random_model import PRESETS
 
     config = PRESETS["qwen2.5-coder-7b"]

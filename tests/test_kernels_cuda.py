@@ -12,8 +12,8 @@ ones (hidden 384, intermediate 640, vocab 1003 (not a multiple of 4), rows not a
 * values that only move or add (embedding, residual, dequantization): exact or 1e-6.
 
 Attention is not this file's subject. The backend tests run once with `OracleAttention`, a
-TEST-ONLY stand-in that copies the cache to the host and runs ops_numpy.paged_attention (it
-synchronises, so it cannot be captured in a graph), and once with nanoqwen.cuda_attention's
+TEST-ONLY stand-in that copies the cache to the host and runs ops.paged_attention (it
+synchronises, so it cannot be captured in a graph), and once with nanoqwen.cuda.attention's
 PagedAttention when that module exists; the graph test needs the latter.
 """
 
@@ -24,8 +24,8 @@ import functools
 import numpy as np
 import pytest
 
-from nanoqwen import cuda_build
-from nanoqwen import ops_numpy as ops
+from nanoqwen.cuda import build
+from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
@@ -34,7 +34,7 @@ from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, n
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen.backend_cuda import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
+from nanoqwen.cuda.backend import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
     ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
     QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
     STATUS_HOST_DRAWS, TOP_K_MAX, projection_splits, sampler_settings,
@@ -52,7 +52,7 @@ SAMPLED_ROWS = 384  # rows checked against the float64 reference in the large ma
 
 @functools.lru_cache(maxsize=None)
 def module(config_name: str):
-    return cuda_build.compile_module(CONFIGS[config_name])
+    return build.compile_module(CONFIGS[config_name])
 
 
 def kernel(config_name: str, name: str):
@@ -174,11 +174,11 @@ PROJECTION_OF = {kernel: projection for projection, kernel in GEMV_KERNELS.items
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_planned_ring_bytes_match_the_device(config_name):
     """Chapter 6's dry run plans the GEMVs' shared memory from the kernel file's default depths
-    (cuda_build.macro_defaults, backend_cuda.planned_ring_bytes); the device reports its own."""
-    stages = cuda_build.macro_defaults("gemv_int4.cu")
+    (build.macro_defaults, backend_cuda.planned_ring_bytes); the device reports its own."""
+    stages = build.macro_defaults("gemv_int4.cu")
     for name, macro in GEMV_STAGES_MACROS.items():
         planned = planned_ring_bytes(name, int(stages[macro]), CONFIGS[config_name].group_size)
-        assert planned == cuda_build.module_int(module(config_name), f"{name}_ring_bytes"), name
+        assert planned == build.module_int(module(config_name), f"{name}_ring_bytes"), name
 
 
 @pytest.mark.parametrize("split_choice", ["one", "backend", "a block's most"])
@@ -546,8 +546,8 @@ def test_greedy_argmax_flags_non_finite_logits(poison):
 
 
 class OracleAttention:
-    """TEST-ONLY stand-in for nanoqwen.cuda_attention.PagedAttention: copies q and the layer's
-    cache to the host and runs ops_numpy.paged_attention. It synchronises with the host, so a
+    """TEST-ONLY stand-in for nanoqwen.cuda.attention.PagedAttention: copies q and the layer's
+    cache to the host and runs ops.paged_attention. It synchronises with the host, so a
     decode step that uses it cannot be captured in a CUDA graph; it allocates no device memory."""
 
     launches_per_decode = 0
@@ -574,7 +574,7 @@ class OracleAttention:
 def _attentions() -> dict:
     found = {"oracle": OracleAttention}
     try:
-        from nanoqwen.cuda_attention import PagedAttention
+        from nanoqwen.cuda.attention import PagedAttention
     except ModuleNotFoundError:
         return found
     return {**found, "paged": PagedAttention}
@@ -605,7 +605,7 @@ def attention(request):
 
 
 def make_backends(model, num_pages: int, attention):
-    from nanoqwen.backend_numpy import NumpyBackend
+    from nanoqwen.reference.backend import NumpyBackend
 
     # The oracle attention synchronises with the host, so its steps run eagerly, not in a graph.
     gpu = CudaBackend(model, num_pages, attention_factory=attention, use_graph=attention is not OracleAttention)
@@ -719,7 +719,7 @@ def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):
 
 def test_decode_step_replays_as_a_cuda_graph(tiny_model):
     if "paged" not in ATTENTIONS:
-        pytest.skip("nanoqwen.cuda_attention is missing; the test-only oracle attention cannot be captured")
+        pytest.skip("nanoqwen.cuda.attention is missing; the test-only oracle attention cannot be captured")
     c = tiny_model.config
     rng = np.random.default_rng(4)
     gpu, _ = make_backends(tiny_model, 8, ATTENTIONS["paged"])

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen import ops_numpy
+from nanoqwen.reference import ops
 from nanoqwen.config import ModelConfig
-from nanoqwen.kvcache import PAGE_SIZE, KVCacheFullError, PageAllocator, kv_bytes_per_token, kv_pool_shape, pages_needed
+from nanoqwen.errors import KVCacheFullError
+from nanoqwen.kvcache import PAGE_SIZE, PageAllocator, kv_bytes_per_token, kv_pool_shape, pages_needed
 
 QWEN25_CODER_7B = ModelConfig(num_layers=28, hidden_size=3584, intermediate_size=18944, num_heads=28,
                               num_kv_heads=4, head_dim=128, vocab_size=152064, max_position_embeddings=32768,
@@ -88,7 +89,7 @@ def test_position_to_page_and_row():
     positions = np.arange(37)  # page 3 holds 5 of 16 rows: a partly filled tail
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((37, 1, 64)).astype(np.float32) for _ in range(2))
-    ops_numpy.write_kv(pool, 1, k, v, positions, table)
+    ops.write_kv(pool, 1, k, v, positions, table)
     assert np.array_equal(pool[1, 1, 0, 0, 20 - 16], k[20, 0].astype(np.float16))
     assert np.array_equal(pool[1, 3, 1, 0, 36 - 32], v[36, 0].astype(np.float16))
     assert np.isnan(pool[1, 3, :, :, 5:]).all() and np.isnan(pool[0]).all() and np.isnan(pool[1, [0, 2, 5]]).all()

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (nanoqwen.cuda_launch) and the decode graph that uses it.
+"""Programmatic dependent launch (nanoqwen.cuda.launch) and the decode graph that uses it.
 
 Everywhere: the argument conversion and its errors, the launch configuration handed to
 cuLaunchKernelEx (the real cuda.bindings structs when that package is installed, a recording
@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoqwen import cuda_graph, cuda_launch
-from nanoqwen.cuda_launch import (
+from nanoqwen.cuda import graph as cuda_graph
+from nanoqwen.cuda import launch as cuda_launch
+from nanoqwen.cuda.launch import (
     KERNELS_THAT_WAIT, LaunchError, ProgrammaticKernel, StepKernel, pack_arguments, programmatic_launches,
     programmatic_launches_active,
 )
@@ -486,10 +487,10 @@ def test_attention_started_early_waits_for_its_inputs(pdl_available, splits, gra
     end in a page holding 5 rows; 3 splits make the combine kernel run too."""
     import cupy as cp
 
-    from nanoqwen import ops_numpy
+    from nanoqwen.reference import ops
     from nanoqwen.cli import DEFAULT_MODEL
     from nanoqwen.config import PAGE_SIZE
-    from nanoqwen.cuda_attention import PagedAttention, random_paged_cache, relative_error
+    from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
     from nanoqwen.loader import load
 
     model = load(DEFAULT_MODEL)
@@ -499,7 +500,7 @@ def test_attention_started_early_waits_for_its_inputs(pdl_available, splits, gra
     attention = PagedAttention(config, num_pages=16, max_seq_len=256, splits=splits)
     pool, table = random_paged_cache(config, seq_len, rng)
     q = (2.0 * rng.standard_normal(config.q_dim)).astype(np.float32)
-    reference = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+    reference = ops.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
                                           np.array([seq_len - 1])).reshape(-1)
     write_late = cp.RawKernel(LATE_WRITER, "write_late")
     table_d = cp.full(256 // PAGE_SIZE, -1, dtype=cp.int32)

@@ -19,9 +19,10 @@ import pytest
 
 import nanoqwen
 from nanoqwen import engine as engine_module
-from nanoqwen.backend_numpy import NumpyBackend
+from nanoqwen.reference.backend import NumpyBackend
 from nanoqwen.config import ModelConfig
-from nanoqwen.engine import BackendUnavailableError, ContextLengthError, Engine, GenerationError
+from nanoqwen.engine import Engine
+from nanoqwen.errors import BackendUnavailableError, CheckpointError, ContextLengthError, GenerationError
 from nanoqwen.kvcache import PAGE_SIZE, check_positions, check_tokens
 from nanoqwen.random_model import write_random_model
 from nanoqwen.testing import DEFAULT_CONFIG, make_hf_checkpoint, make_nanoqwen
@@ -195,7 +196,7 @@ def test_prefill_weights_policy_is_checked(model):
 
 
 def test_a_decode_form_switch_drops_the_graph_and_refuses_what_the_path_lacks():
-    from nanoqwen.backend_cuda import CudaBackend
+    from nanoqwen.cuda.backend import CudaBackend
 
     backend = object.__new__(CudaBackend)  # the switches need no GPU: only the attributes they touch
     backend.activations, backend._graph = "int8", None
@@ -294,12 +295,13 @@ def test_numpy_backend_refuses_what_the_cuda_backend_refuses(model):
 
 
 def test_only_the_last_prefill_chunk_computes_logits(model, monkeypatch):
-    from nanoqwen import backend_numpy, ops_numpy
+    from nanoqwen.reference import backend as backend_numpy
+    from nanoqwen.reference import ops
 
     monkeypatch.setattr(backend_numpy, "PREFILL_CHUNK", 16)
     calls = []
-    real = ops_numpy.fp16_linear
-    monkeypatch.setattr(ops_numpy, "fp16_linear", lambda x, w: calls.append(w.dtype) or real(x, w))
+    real = ops.fp16_linear
+    monkeypatch.setattr(ops, "fp16_linear", lambda x, w: calls.append(w.dtype) or real(x, w))
     backend = NumpyBackend(model, num_pages=4)
     logits = backend.prefill(np.arange(1, 41), 0, np.arange(4))  # chunks of 16, 16, 8
     assert logits.shape == (model.config.vocab_size,) and calls == [np.float32]  # once, on the cached fp32 head
@@ -393,7 +395,6 @@ def test_bad_config_json_is_a_checkpoint_error_naming_the_file(checkpoint, tmp_p
     import json
 
     from nanoqwen.convert import convert
-    from nanoqwen.safetensors_reader import CheckpointError
 
     config_path = checkpoint / "config.json"
     if isinstance(text, bytes) or not text.startswith("{\""):
@@ -424,7 +425,6 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
 
 def test_hub_download_failure_is_a_checkpoint_error(monkeypatch):
     from nanoqwen.convert import resolve_source
-    from nanoqwen.safetensors_reader import CheckpointError
 
     hub = types.ModuleType("huggingface_hub")
     hub.__spec__ = ModuleSpec("huggingface_hub", None)
@@ -471,7 +471,7 @@ BAD_SAFETENSORS = [
 def test_malformed_safetensors_is_a_checkpoint_error_naming_the_file(tmp_path, data, match):
     import tracemalloc
 
-    from nanoqwen.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+    from nanoqwen.safetensors_reader import SafetensorsCheckpoint
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(data)
@@ -501,7 +501,7 @@ def test_valid_safetensors_still_reads(tmp_path):
     ('{"weight_map": {"w": "../elsewhere.safetensors"}}', "'weight_map' must map"),
 ])
 def test_malformed_index_is_a_checkpoint_error(tmp_path, index, match):
-    from nanoqwen.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+    from nanoqwen.safetensors_reader import SafetensorsCheckpoint
 
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(CheckpointError, match=match):

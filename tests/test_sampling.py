@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen.sampling import MAX_TEMPERATURE, GenerationError, SamplingParams, gumbel_noise, most_likely_first, nucleus, sample
+from nanoqwen.sampling import MAX_TEMPERATURE, SamplingParams, gumbel_noise, most_likely_first, nucleus, sample
+from nanoqwen.errors import GenerationError
 
 LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
 
@@ -194,7 +195,7 @@ def test_which_draws_the_cuda_backend_makes_on_the_device():
     run in the decode graph; a larger top-k brings the logits to the host, and a top-p alone may
     hand a step's draw back (its run may be longer than the TOP_K_MAX tokens the device keeps). The
     settings' words are the layout of kernels/lm_head.cu's SamplerSettings."""
-    from nanoqwen.backend_cuda import TOP_K_MAX, device_top_k, may_hand_back, sampler_settings
+    from nanoqwen.cuda.backend import TOP_K_MAX, device_top_k, may_hand_back, sampler_settings
 
     vocab = 5000
     assert device_top_k(SamplingParams(), vocab) == 0

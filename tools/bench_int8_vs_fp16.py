@@ -7,7 +7,7 @@ For each shape (N outputs x K inputs) it times, per call:
     A total   quantize_activations_int8 + gemv_int4_int8   (kernels/gemv_int4_int8.cu)
     A GEMV    gemv_int4_int8 alone (activations already quantized)
     A quant   quantize_activations_int8 alone
-    B         gemv_int4_from_<width> (kernels/gemv_int4.cu), launched by nanoqwen.backend_cuda's
+    B         gemv_int4_from_<width> (kernels/gemv_int4.cu), launched by nanoqwen.cuda.backend's
               own code with its split-K choice (a block of warps per tile adds the splits)
     B fused   (gate+up only) gemv_int4_gate_up_silu, the kernel the engine runs there
 Method: every variant is captured in a CUDA graph of many calls that rotate over copies of
@@ -19,7 +19,7 @@ round's median is kept in the JSON to show the noise. Bytes per call count weigh
 activations in and results out; bandwidth is compared with a 1 GiB device-to-device copy
 (read + write counted) measured in the same run, and with the time of a graph of empty kernels
 (the launch floor). Errors are measured against the fp16 activations times the dequantized
-fp32 weights, in float64 (nanoqwen.int8_path.dequantized_reference), on synthetic activations
+fp32 weights, in float64 (nanoqwen.cuda.int8.dequantized_reference), on synthetic activations
 with outlier channels; Path A is also checked bit for bit against its numpy oracle.
 
 Writes the JSON to --json (default $OUT/int8_vs_fp16.json, else ./int8_vs_fp16.json) and
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoqwen.int8_path import (
+from nanoqwen.cuda.int8 import (
     Int8Gemv,
     dequantized_reference,
     error_vs_reference,
@@ -123,7 +123,7 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "replays_per_round": args.replays,
         "rounds": 2,
-        "activations": "nanoqwen.int8_path.synthetic_activations (lognormal channel gains, 0.4% outlier channels x20, Laplace)",
+        "activations": "nanoqwen.cuda.int8.synthetic_activations (lognormal channel gains, 0.4% outlier channels x20, Laplace)",
         "weights": "uniformly random packed words (every nibble value), fp16 scales uniform in [0.004, 0.012]",
     }
     print(f"# {meta['gpu']}, {num_sms} SMs, L2 {l2_bytes >> 20} MiB, CuPy {cp.__version__}", flush=True)
@@ -136,7 +136,7 @@ def main() -> int:
     copy = measure_copy(cp, stream, timer)
     print(f"# device-to-device copy: {copy['gbps']:.0f} GB/s (read + write counted)", flush=True)
     path_b, path_b_reason = path_b_kernels(cp)
-    print(f"# Path B: {'kernels/gemv_int4.cu via nanoqwen.backend_cuda' if path_b else 'MISSING: ' + path_b_reason}",
+    print(f"# Path B: {'kernels/gemv_int4.cu via nanoqwen.cuda.backend' if path_b else 'MISSING: ' + path_b_reason}",
           flush=True)
 
     rng = np.random.default_rng(20260101)
@@ -248,9 +248,10 @@ def measure_copy(cp, stream, timer) -> dict:
 def path_b_kernels(cp):
     """The engine's GEMV kernels, compiled as the engine compiles them; (None, why) if absent."""
     try:
-        from nanoqwen import backend_cuda, cuda_build
+        from nanoqwen.cuda import backend as backend_cuda
+        from nanoqwen.cuda import build
 
-        module = cuda_build.compile_module(CONFIG, files=("gemv_int4.cu",))
+        module = build.compile_module(CONFIG, files=("gemv_int4.cu",))
         kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
                    for w in ("hidden", "q_dim", "intermediate")}
         kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")

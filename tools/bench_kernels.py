@@ -31,8 +31,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import (  # noqa: E402
+from nanoqwen.cuda import build  # noqa: E402
+from nanoqwen.cuda.backend import (  # noqa: E402
     GATE_UP_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits,
     persistent_blocks, sampler_settings,
 )
@@ -212,7 +212,7 @@ def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
     lines = ["| ring stages | warps/SM target | gate+up us | down us | fused qkv us | o us | regs (gate+up, down) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for stages in (4, 8, 12):
-        module = cuda_build.compile_module(config,
+        module = build.compile_module(config,
                                            extra_defines={macro: str(stages) for macro in GEMV_STAGES_MACROS.values()})
         regs = (module.get_function("gemv_int4_gate_up_silu").num_regs,
                 module.get_function("gemv_int4_from_intermediate").num_regs)
@@ -235,7 +235,7 @@ def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False)
     props = cp.cuda.runtime.getDeviceProperties(device.id)
     gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     l2_bytes, num_sms = props["l2CacheSize"], props["multiProcessorCount"]
-    module = cuda_build.compile_module(config)
+    module = build.compile_module(config)
     copy = copy_bandwidth(cp)
 
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_dim, config.kv_dim

@@ -2,7 +2,7 @@
 write ptxas's register/spill report.
 
 This is CI's check that the CUDA sources build, on a machine with nvcc and no GPU: the
-engine compiles the same files at run time through NVRTC (nanoqwen/cuda_build.py), with
+engine compiles the same files at run time through NVRTC (nanoqwen/cuda/build.py), with
 the same -D constants, which are all a kernel file may rely on. It fails on any compiler error and on any register spill, since a
 kernel that spills in its hot loop is slower than its byte count promises.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen import cuda_build  # noqa: E402
+from nanoqwen.cuda import build  # noqa: E402
 from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
 
 ENTRY = re.compile(r"Compiling entry function '(\w+)'")
@@ -46,19 +46,19 @@ def parse_ptxas(log: str) -> list[dict]:
 
 def compile_all(report: Path) -> int:
     config = QWEN25_CODER_7B
-    folder = cuda_build.kernel_dir()
+    folder = build.kernel_dir()
     sources = sorted(folder.glob("*.cu"))
     lines = [
         "ptxas resource report: every kernel in kernels/ for sm_90a, Qwen2.5-Coder-7B dimensions",
         "command: python tools/compile_kernels.py",
-        f"defines: {' '.join(cuda_build.define_options(cuda_build.kernel_defines(config)))}",
+        f"defines: {' '.join(build.define_options(build.kernel_defines(config)))}",
         "",
         f"{'file':<24} {'kernel':<40} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9}",
     ]
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         for source in sources:
-            command = cuda_build.nvcc_command(config, source, Path(tmp) / f"{source.stem}.cubin")
+            command = build.nvcc_command(config, source, Path(tmp) / f"{source.stem}.cubin")
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 failures.append(f"{source.name}: nvcc failed\n{result.stdout}{result.stderr}")

@@ -5,7 +5,7 @@
 
 Sections, each independent (a failure is recorded and the next one runs):
 
-1. correctness: decode and prefill against nanoqwen.ops_numpy.paged_attention at lengths 1, 15,
+1. correctness: decode and prefill against nanoqwen.reference.ops.paged_attention at lengths 1, 15,
    16, 17, 640, 4096 and 32768, for the 7B's shape (28 query heads, 4 KV heads, head_dim 128)
    and smaller ones; fresh random data per case, shuffled page tables, NaN in every pool row
    the sequence does not own, outputs poisoned with NaN before each launch;
@@ -48,9 +48,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen import ops_numpy  # noqa: E402
+from nanoqwen.reference import ops  # noqa: E402
 from nanoqwen.config import PAGE_SIZE, ModelConfig  # noqa: E402
-from nanoqwen.cuda_attention import (  # noqa: E402
+from nanoqwen.cuda.attention import (  # noqa: E402
     BrokenPagedAttention,
     PagedAttention,
     random_paged_cache,
@@ -102,7 +102,7 @@ def log(*parts) -> None:
 def decode_case(cp, attention, config, seq_len, rng, q_std=2.0):
     pool, table = random_paged_cache(config, seq_len, rng)
     q = (q_std * rng.standard_normal(config.q_dim)).astype(np.float32)
-    ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+    ref = ops.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
                                     np.array([seq_len - 1])).reshape(-1)
     table_d = cp.full(-(-attention.max_seq_len // PAGE_SIZE), -1, dtype=cp.int32)  # unused entries: garbage
     table_d[: len(table)] = cp.asarray(table)
@@ -124,7 +124,7 @@ def prefill_case(cp, attention, config, start_pos, num_tokens, rng, check_rows=6
     if num_tokens > check_rows:  # the oracle is O(T^2): compare the ends and a random middle
         middle = rng.choice(np.arange(8, num_tokens - 8), check_rows - 16, replace=False)
         rows = np.unique(np.concatenate([rows[:8], middle, rows[-8:]]))
-    ref = ops_numpy.paged_attention(q[rows].reshape(len(rows), config.num_heads, config.head_dim), pool, 0, table,
+    ref = ops.paged_attention(q[rows].reshape(len(rows), config.num_heads, config.head_dim), pool, 0, table,
                                     start_pos + rows)
     return relative_error(out[rows], ref.reshape(len(rows), -1))
 
@@ -189,7 +189,7 @@ def check_graph(cp, results):
             out.fill(np.nan)
             graph.launch(stream)
         stream.synchronize()
-        ref = ops_numpy.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
+        ref = ops.paged_attention(q.reshape(1, config.num_heads, config.head_dim), pool, 0, table,
                                         np.array([n - 1])).reshape(-1)
         err = relative_error(out.get(), ref)
         rows.append(dict(seq_len=n, error=err, ok=err <= DECODE_TOL))
@@ -446,7 +446,7 @@ def write_report(results, folder: Path, stem: str, command: str):
                   "x visible pairs).", ""]
     if "correctness" in results:
         rows = results["correctness"]
-        lines += ["## Correctness against nanoqwen.ops_numpy.paged_attention", "",
+        lines += ["## Correctness against nanoqwen.reference.ops.paged_attention", "",
                   f"{sum(r['ok'] for r in rows)}/{len(rows)} cases pass (decode tolerance {DECODE_TOL}, prefill "
                   f"{PREFILL_TOL}, relative L2 error; NaN in every unowned pool row, outputs poisoned with NaN).", "",
                   "| shape | kernel | case | relative error | ok |", "| --- | --- | --- | ---: | --- |"]

@@ -63,7 +63,7 @@ def exercise(model_path: str, attention_name: str) -> None:
     import numpy as np
 
     import nanoqwen
-    from nanoqwen.backend_cuda import CudaBackend
+    from nanoqwen.cuda.backend import CudaBackend
 
     sys.path.insert(0, str(REPO / "tests"))
     from test_kernels_cuda import ATTENTIONS, OracleAttention

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen.backend_cuda import GEMV_KERNELS, QKV_ROPE_KERNEL, CudaBackend  # noqa: E402
+from nanoqwen.cuda.backend import GEMV_KERNELS, QKV_ROPE_KERNEL, CudaBackend  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import (  # noqa: E402
     TIMING_STEPS, prompted_backend, report_step_timings, step_launch_names, time_decode_steps,

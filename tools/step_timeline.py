@@ -33,8 +33,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import GEMV_KERNELS, QKV_ROPE_KERNEL  # noqa: E402
+from nanoqwen.cuda import build  # noqa: E402
+from nanoqwen.cuda.backend import GEMV_KERNELS, QKV_ROPE_KERNEL  # noqa: E402
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import (  # noqa: E402
     READ_BANDWIDTH, TIMING_STEPS, bytes_per_token, kernel_bytes, prompted_backend, step_launch_names,
@@ -52,18 +52,18 @@ LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down 
 def traced_backend(model):
     """A prompted CudaBackend whose kernel modules are compiled with NQ_TRACE; returns
     (backend, page_table, modules)."""
-    modules, compile_module = [], cuda_build.compile_module
+    modules, compile_module = [], build.compile_module
 
-    def compile_traced(config, files=cuda_build.DECODER_KERNEL_FILES, extra_defines=None):
+    def compile_traced(config, files=build.DECODER_KERNEL_FILES, extra_defines=None):
         module = compile_module(config, files, {**(extra_defines or {}), "NQ_TRACE": "1"})
         modules.append(module)
         return module
 
-    cuda_build.compile_module = compile_traced
+    build.compile_module = compile_traced
     try:
         backend, page_table = prompted_backend(model)
     finally:
-        cuda_build.compile_module = compile_module
+        build.compile_module = compile_module
     return backend, page_table, modules
 
 

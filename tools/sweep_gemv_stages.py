@@ -39,15 +39,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen import cuda_build  # noqa: E402
-from nanoqwen.backend_cuda import (  # noqa: E402
+from nanoqwen.cuda import build  # noqa: E402
+from nanoqwen.cuda.backend import (  # noqa: E402
     CHAIN_GEMV_GROUPS_PER_SPLIT, GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, GEMV_KERNELS, GEMV_MAX_SPLITS,
     GEMV_STAGES_MACROS, GEMV_WARPS_PER_SM, MIN_GROUPS_PER_SPLIT, CudaBackend, fit_gemv_rings, gemv_launch,
     gemv_splits, projection_splits, set_carveout,
 )
 from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
 from nanoqwen.bench import TIMING_STEPS, prompted_backend, report_step_timings, time_decode_steps  # noqa: E402
-from nanoqwen.cuda_launch import StepKernel  # noqa: E402
+from nanoqwen.cuda.launch import StepKernel  # noqa: E402
 from nanoqwen.loader import load  # noqa: E402
 
 GEMVS = {**GEMV_KERNELS, "gate_up": "gemv_int4_gate_up_silu"}  # short name -> kernel
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     for v in variants:
         key = tuple(sorted(v["stages"].items()))
         if key not in modules:
-            modules[key] = cuda_build.compile_module(
+            modules[key] = build.compile_module(
                 c, files=("gemv_int4.cu",),
                 extra_defines={GEMV_STAGES_MACROS[name]: str(depth) for name, depth in v["stages"].items()})
     times, reference, logit_diff, capacity = [[] for _ in variants], None, {}, {}

@@ -5,7 +5,7 @@ with barriers between its stages, hand them over faster? This times, on the GPU 
 way of passing one value from block 0 to every block of `--blocks` blocks of 256 threads:
 
     kernel boundary, PDL     a CUDA graph of --rounds kernels launched with programmatic
-                             dependent launch (nanoqwen.cuda_launch), each waiting for the one before
+                             dependent launch (nanoqwen.cuda.launch), each waiting for the one before
     kernel boundary, plain   the same graph launched plainly
     grid barrier             one persistent kernel: an atomic counter in global memory, release
                              and acquire, --rounds barriers in a row
@@ -32,9 +32,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen.backend_cuda import persistent_blocks  # noqa: E402
-from nanoqwen.cuda_graph import capture  # noqa: E402
-from nanoqwen.cuda_launch import ProgrammaticKernel  # noqa: E402
+from nanoqwen.cuda.backend import persistent_blocks  # noqa: E402
+from nanoqwen.cuda.graph import capture  # noqa: E402
+from nanoqwen.cuda.launch import ProgrammaticKernel  # noqa: E402
 
 THREADS = 256
 CLUSTER = 8  # tools/sync_costs.cu __cluster_dims__

@@ -21,7 +21,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from .config import PAGE_SIZE, ModelConfig
+from ..config import PAGE_SIZE, ModelConfig
 
 # The decoder layer's kernels (everything but attention), in the order they are included.
 DECODER_KERNEL_FILES = ("rmsnorm.cu", "gemv_int4.cu", "elementwise.cu", "lm_head.cu")
@@ -34,7 +34,7 @@ def kernel_dir() -> Path:
 
     The folder is data, not a Python package: a top-level package named `kernels` would hide
     Hugging Face's `kernels`, which transformers imports."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     for folder in (package / "kernels", package.parent / "kernels"):
         if (folder / "common.cuh").is_file():
             return folder

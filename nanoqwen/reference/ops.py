@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import PAGE_SIZE
-from .loader import Int4Linear
-from .quant import dequantize_int4
+from ..config import PAGE_SIZE
+from ..loader import Int4Linear
+from ..quant import dequantize_int4
 
 
 def embed(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The numpy backend: the Qwen2 forward pass composed from the oracle ops, on the CPU.
 
-It is slow and simple on purpose. Every CUDA kernel is checked against `nanoqwen.ops_numpy`,
+It is slow and simple on purpose. Every CUDA kernel is checked against `nanoqwen.reference.ops`,
 and this file shows how those ops chain into a model, so a wrong answer from the GPU can be
 bisected op by op against the same chain. It implements the backend protocol that
 `nanoqwen.engine.Engine` drives (see `nanoqwen.engine.Backend`).
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops_numpy as ops
-from .config import PAGE_SIZE
-from .kvcache import check_positions, check_tokens, kv_pool_shape
-from .loader import LayerWeights, Model
-from .quant import dequantize_int4
-from .sampling import GREEDY, SamplingParams, sample
+from . import ops
+from ..config import PAGE_SIZE
+from ..kvcache import check_positions, check_tokens, kv_pool_shape
+from ..loader import LayerWeights, Model
+from ..quant import dequantize_int4
+from ..sampling import GREEDY, SamplingParams, sample
 
 # fp32 copies of the INT4 weights cost 8x their packed size, of the fp16 lm_head 2x. Below
 # this budget they are made once (a tiny test model decodes in milliseconds); above it (a 7B

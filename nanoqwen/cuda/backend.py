@@ -1,9 +1,9 @@
 """The CUDA backend: the Qwen2 forward pass as a fixed sequence of kernel launches.
 
-It implements the same protocol as `nanoqwen.backend_numpy.NumpyBackend` (see
+It implements the same protocol as `nanoqwen.reference.backend.NumpyBackend` (see
 `nanoqwen.engine.Backend`) and, with fp16 activations, computes the same numbers
 (ARCHITECTURE.md, "Numerics"; INT8 activations are chapter 7's approximation), with
-the kernels in kernels/ compiled for this model by `nanoqwen.cuda_build`.
+the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 
 Decode, one token, every launch on `self.stream` (L = num_layers):
 
@@ -47,14 +47,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import cuda_build, ops_numpy
-from .config import PAGE_SIZE
-from .cuda_launch import StepKernel
-from .engine import PREFILL_WEIGHTS
-from .kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
-from .loader import Int4Linear, Model
-from .quant import TILE_ROWS, tile_int4
-from .sampling import GREEDY, SamplingParams, sample
+from . import build as cuda_build
+from ..reference import ops as ops_numpy
+from ..config import PAGE_SIZE
+from .launch import StepKernel
+from ..engine import PREFILL_WEIGHTS
+from ..kvcache import check_positions, check_tokens, kv_pool_shape, pages_needed
+from ..loader import Int4Linear, Model
+from ..quant import TILE_ROWS, tile_int4
+from ..sampling import GREEDY, SamplingParams, sample
 
 # Offsets into `state` (kernels/common.cuh).
 STATE_TOKEN, STATE_POSITION, STATE_SEQ_LEN, STATE_STATUS, STATE_PAGE_TABLE = 0, 1, 2, 3, 4
@@ -303,12 +304,12 @@ def persistent_blocks(kernel, threads: int, num_sms: int) -> int:
 
 def _default_attention():
     try:
-        from .cuda_attention import PagedAttention
+        from .attention import PagedAttention
     except ModuleNotFoundError as e:
-        if e.name != "nanoqwen.cuda_attention":
+        if e.name != "nanoqwen.cuda.attention":
             raise
         raise RuntimeError(
-            "nanoqwen.cuda_attention (the paged attention kernels) is not available, so the CUDA "
+            "nanoqwen.cuda.attention (the paged attention kernels) is not available, so the CUDA "
             "backend cannot run attention; pass attention_factory= to substitute one"
         ) from e
     return PagedAttention
@@ -345,13 +346,13 @@ class CudaBackend:
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
-        (default: nanoqwen.cuda_attention.PagedAttention). With `use_graph` (the default) decode
-        replays one captured CUDA graph per token (nanoqwen.cuda_graph); without it, it launches
+        (default: nanoqwen.cuda.attention.PagedAttention). With `use_graph` (the default) decode
+        replays one captured CUDA graph per token (nanoqwen.cuda.graph); without it, it launches
         every kernel from Python. `activations` picks the decode projections' input precision:
         "fp16" (Path B, the default) or "int8" (Path A of chapter 7: each projection's input is
         quantized to INT8 by a kernel of its own and multiplied with __dp4a; prefill is unchanged).
         With `pdl` (the default) the decode graph is captured with programmatic dependent launches
-        (nanoqwen.cuda_launch), so each kernel may start while the one before it finishes; it
+        (nanoqwen.cuda.launch), so each kernel may start while the one before it finishes; it
         changes nothing in eager launches, and falls back to plain launches, with a warning, where
         cuda.bindings is missing (`decode_graph().pdl` says which ran).
 
@@ -369,7 +370,7 @@ class CudaBackend:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         device = cp.cuda.Device()
         if int(device.compute_capability) < 90:
-            from .engine import BackendUnavailableError
+            from ..errors import BackendUnavailableError
 
             raise BackendUnavailableError(
                 f"the CUDA backend needs a Hopper GPU (compute capability 9.0: the attention kernels use "
@@ -383,7 +384,7 @@ class CudaBackend:
         self.activations = activations
         self.model = model
         self.config = c = model.config
-        from .cuda_attention import check_config
+        from .attention import check_config
 
         check_config(c)  # before the compile, whose static_asserts would say it less plainly
         self.num_pages = int(num_pages)
@@ -486,7 +487,7 @@ class CudaBackend:
         """Path A launchers for one layer's four projections. Path A's kernel reads the file's
         row-major layout, so it gets its own copy of the weights (chapter 7 compares the paths;
         only this mode pays the memory)."""
-        from .int8_path import Int8Gemv
+        from .int8 import Int8Gemv
 
         cp, w = self._cp, self.model.layer(layer)
         projections = {}
@@ -670,9 +671,9 @@ class CudaBackend:
         self._device_holds = (token, int(position), pages)
 
     def decode_graph(self):
-        """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda_graph)."""
+        """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda.graph)."""
         if self._graph is None:
-            from .cuda_graph import DecodeGraph
+            from .graph import DecodeGraph
 
             self._graph = DecodeGraph(self, pdl=self._pdl)
         return self._graph

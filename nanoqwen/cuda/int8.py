@@ -22,10 +22,10 @@ import functools
 
 import numpy as np
 
-from .config import GROUP_SIZE, ModelConfig
-from .cuda_launch import StepKernel
-from .loader import Int4Linear
-from .quant import dequantize_int4, unpack_int4
+from ..config import GROUP_SIZE, ModelConfig
+from .launch import StepKernel
+from ..loader import Int4Linear
+from ..quant import dequantize_int4, unpack_int4
 
 ACT_QMAX = 127  # symmetric INT8: -128 is never produced, so +-max|x| map exactly
 # Byte p of every chunk of eight stored activations holds element PAIR_ORDER[p] of the chunk:
@@ -141,7 +141,7 @@ def synthetic_projection(out_features: int, in_features: int, rng: np.random.Gen
     """A random INT4 projection and the fp32 weights it was quantized from. Weights are
     Student-t with 5 degrees of freedom (tails somewhat heavier than a Gaussian's, as in
     trained weights) over sqrt(in_features), with a lognormal gain per row."""
-    from .quant import quantize_int4
+    from ..quant import quantize_int4
 
     row_gain = rng.lognormal(0.0, 0.3, (out_features, 1))
     weight = (rng.standard_t(5, (out_features, in_features)) * row_gain / np.sqrt(in_features)).astype(np.float32)
@@ -163,7 +163,7 @@ def _check_activations(x: np.ndarray) -> None:
 @functools.lru_cache(maxsize=None)
 def compiled_module(config: ModelConfig):
     """kernels/gemv_int4_int8.cu compiled for one model's widths (once per config)."""
-    from . import cuda_build
+    from . import build as cuda_build
 
     return cuda_build.compile_module(config, files=(KERNEL_FILE,))
 
@@ -214,7 +214,7 @@ class Int8Gemv:
         self.qweight, self.scales, self.bias = qweight, scales, bias
         self.out_features, self.in_features = out_features, in_features
         module = compiled_module(config)
-        # Plain launches, except inside the decode graph's capture (nanoqwen.cuda_launch).
+        # Plain launches, except inside the decode graph's capture (nanoqwen.cuda.launch).
         self._quantize_kernel = StepKernel(module.get_function(f"quantize_activations_int8_{suffix}"),
                                            f"quantize_activations_int8_{suffix}")
         self._gemv_kernel = StepKernel(module.get_function(f"gemv_int4_int8_{suffix}"), f"gemv_int4_int8_{suffix}")

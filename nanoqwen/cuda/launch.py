@@ -19,7 +19,7 @@ CuPy kernel through the driver's cuLaunchKernelEx instead, from the optional pac
     with programmatic_launches() as active:      # active is False without cuda.bindings
         kernel(grid, block, args)                # a PDL launch, since add_rmsnorm waits
 
-Only the captured decode graph launches this way (nanoqwen.cuda_graph.DecodeGraph); eager
+Only the captured decode graph launches this way (nanoqwen.cuda.graph.DecodeGraph); eager
 launches stay plain CuPy launches, chapter 6's baseline for what the host costs.
 
 The read-only path. A kernel that waits reads what earlier kernels of the step wrote with
@@ -42,6 +42,7 @@ import threading
 import warnings
 
 import numpy as np
+from ..errors import LaunchError
 
 # Kernels whose every block calls wait_for_previous_kernel() before it reads what an earlier
 # kernel of the step wrote and before it writes anything. Only these may be launched to start
@@ -67,9 +68,6 @@ SCALAR_TYPES = {
     np.dtype(np.uint64): ctypes.c_uint64,  # also the null pointer, np.uint64(0)
 }
 
-
-class LaunchError(RuntimeError):
-    """cuLaunchKernelEx returned an error; the message names the kernel and the CUresult."""
 
 
 # ---------------------------------------------------------------------------- the driver

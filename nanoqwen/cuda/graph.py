@@ -18,7 +18,7 @@ makes that choice unnecessary: one graph serves every step.
 
 from __future__ import annotations
 
-from .cuda_launch import programmatic_launches
+from .launch import programmatic_launches
 
 EMPTY_KERNEL = r"""
 extern "C" __global__ void empty_kernel() { }
@@ -50,7 +50,7 @@ class DecodeGraph:
     """`backend.decode_step_launches` captured once on `backend.stream`; `launch()` replays it.
 
     With `pdl`, every kernel of the step that waits for its predecessor in the kernel itself
-    (nanoqwen.cuda_launch.KERNELS_THAT_WAIT) is captured as a programmatic dependent launch, so
+    (nanoqwen.cuda.launch.KERNELS_THAT_WAIT) is captured as a programmatic dependent launch, so
     it may start while the kernel before it finishes. `self.pdl` says whether that happened
     (False where cuda.bindings is missing: the launches are then plain, after one warning).
     """

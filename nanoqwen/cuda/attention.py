@@ -15,7 +15,7 @@ Shapes (H = num_heads, D = head_dim, KVH = num_kv_heads, P = pages in the pool):
 `decode` takes the sequence length from device memory and launches two kernels, the split
 decode and the merge of the splits, with grids sized for `max_seq_len`: the launches never
 change from one step to the next, so a CUDA graph captured once replays them for every token.
-`prefill` is one tensor-core kernel. The oracle is `nanoqwen.ops_numpy.paged_attention`;
+`prefill` is one tensor-core kernel. The oracle is `nanoqwen.reference.ops.paged_attention`;
 chapter 5 explains the kernels and `kernels/paged_attention_broken.cu`, the deliberately
 broken decode that `BrokenPagedAttention` builds.
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cuda_build
-from .config import PAGE_SIZE, ModelConfig
-from .cuda_launch import StepKernel
+from . import build as cuda_build
+from ..config import PAGE_SIZE, ModelConfig
+from .launch import StepKernel
 
 __all__ = [
     "BrokenPagedAttention",
@@ -91,7 +91,7 @@ class PagedAttention:
         self.gqa = config.num_heads // config.num_kv_heads
         module = cuda_build.compile_module(config, files=(self.kernel_file,))
         # Inside the decode graph's capture, the kernels that wait for their predecessor launch
-        # with programmatic dependent launch (nanoqwen.cuda_launch); elsewhere plainly.
+        # with programmatic dependent launch (nanoqwen.cuda.launch); elsewhere plainly.
         self._decode = StepKernel(module.get_function(self.decode_kernel), self.decode_kernel)
         self._prefill = StepKernel(module.get_function("paged_attention_prefill"), "paged_attention_prefill")
         self._combine = StepKernel(module.get_function("paged_attention_combine"), "paged_attention_combine")
