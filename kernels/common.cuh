@@ -24,8 +24,8 @@ static_assert(NQ_GROUP_SIZE == 128, "the INT4 GEMV maps one group onto 4 lanes x
 static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with i + head_dim/2");
 
 // The decode step's inputs live in one device int32 array so that one host-to-device copy
-// sets them and a captured CUDA graph can read them at fixed addresses.
-// nanoqwen/cuda/backend.py mirrors these offsets.
+// sets them and a captured CUDA graph can read them at fixed addresses. The host reads these
+// offsets from this file (nanoqwen/cuda/abi.py) and checks them against the compiled module.
 #define STATE_TOKEN 0       // token id fed to the step; the greedy argmax writes the next one
 #define STATE_POSITION 1    // position of that token in its sequence
 #define STATE_SEQ_LEN 2     // positions attention reads: position + 1
@@ -37,6 +37,19 @@ static_assert(NQ_HEAD_DIM % 2 == 0 && NQ_HEAD_DIM <= 256, "RoPE pairs dim i with
 
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr int ELEMENTWISE_THREADS = 256;  // block of the grid-stride elementwise kernels
+
+// A number the host must launch or index with, exported from every compiled module as
+// `abi_NAME`: nanoqwen/cuda/abi.py reads NAME from the source and checks the module agrees.
+#define NQ_EXPORT_INT(NAME) __device__ int abi_##NAME = NAME;
+NQ_EXPORT_INT(STATE_TOKEN)
+NQ_EXPORT_INT(STATE_POSITION)
+NQ_EXPORT_INT(STATE_SEQ_LEN)
+NQ_EXPORT_INT(STATE_STATUS)
+NQ_EXPORT_INT(STATE_PAGE_TABLE)
+NQ_EXPORT_INT(STATUS_NOT_FINITE)
+NQ_EXPORT_INT(STATUS_HOST_DRAWS)
+NQ_EXPORT_INT(ELEMENTWISE_THREADS)
 
 // ---------------------------------------------------------------- programmatic dependent launch
 //

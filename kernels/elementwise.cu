@@ -89,7 +89,7 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
 // Reference: ops_numpy.silu_mul. Decode fuses this into gemv_int4_gate_up_silu; prefill's GEMM
 // leaves gate|up rows [T, 2 I] in fp32 and this makes h fp16 [T, I].
 // grid-stride over T * I elements
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)
 silu_mul_rows(const float* gate_up, unsigned short* __restrict__ h, int num_tokens) {
   let_next_kernel_launch();
   wait_for_previous_kernel();

@@ -50,9 +50,11 @@
 // the decode step's critical path, and in round trips one after another.
 #include "common.cuh"
 
-constexpr int TILE_ROWS = 16;
+constexpr int TILE_ROWS = 16;  // rows of a weight tile (nanoqwen/quant.py, tile_int4, lays them out)
+NQ_EXPORT_INT(TILE_ROWS)
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
-constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps; nanoqwen/cuda/backend.py mirrors it
+constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps
+NQ_EXPORT_INT(SPLIT_K_MAX_WARPS)
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
 // group), one depth per kernel. The best depths were found inside the decode step, where each
@@ -407,12 +409,9 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
   }
 
 // q|k|v and o request their warps' whole ranges before the wait (AHEAD); down_proj's 15 groups per
-// warp do not fit a ring. NQ_CHAIN_ALL_AHEAD=0 builds the ring-only form for A/B runs.
-#ifndef NQ_CHAIN_ALL_AHEAD
-#define NQ_CHAIN_ALL_AHEAD 1
-#endif
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, NQ_CHAIN_ALL_AHEAD)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, NQ_CHAIN_ALL_AHEAD)
+// warp do not fit a ring.
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
@@ -467,7 +466,7 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
     if (head_slot >= NQ_NUM_HEADS) page = page_table[position / NQ_PAGE_SIZE];
   }
   const float start = finishes && bias != nullptr ? half_to_float(bias[head_row + dim]) : 0.0f;
-  const float total = split_k_tile_row<NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, NQ_CHAIN_ALL_AHEAD>(qweight, scales, x, rows,
+  const float total = split_k_tile_row<NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true>(qweight, scales, x, rows,
                                                                                            [start] { return start; });
   if (split != 0) return;
   const float partner = __shfl_xor_sync(FULL_MASK, total, ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
@@ -497,7 +496,8 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
 // under programmatic dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
 // grid (ceil(I / 16)), block (32 splits, splits <= GATE_UP_MAX_SPLITS), splits rings of shared
 // memory; h fp16 [I]
-constexpr int GATE_UP_MAX_SPLITS = 4;  // nanoqwen/cuda/backend.py mirrors it
+constexpr int GATE_UP_MAX_SPLITS = 4;  // warps of a gate+up block
+NQ_EXPORT_INT(GATE_UP_MAX_SPLITS)
 using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
 __device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
 
@@ -537,7 +537,7 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
 // weights, one 16-byte store) per thread. The fp32 product (nibble - 8) * scale is rounded to
 // fp16 (relative error <= 2^-11).
 // grid-stride over n_rows * in_features / 8 words; out fp16 [n_rows, in_features]
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)
 dequantize_int4_to_half(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                         uint4* __restrict__ out, int n_rows, int in_features) {
   const long long words_per_row = in_features / 8;

@@ -103,11 +103,9 @@ static_assert(PA_GQA <= DECODE_HEAD_ROWS, "the decode kernel serves at most 16 q
 // bulk copy each, with 16 bytes of padding after every run. An ldmatrix reads 8 rows at one
 // column; rows 256 bytes apart all start in the same bank, so unpadded (one 4 KiB copy) the 8
 // reads are an 8-way bank conflict. Padding after every row removes it but needs 16 copies per
-// slice, and many small copies cost the copy engine more than the conflicts (session 9).
-#ifndef NQ_DECODE_COPY_ROWS
-#define NQ_DECODE_COPY_ROWS 4
-#endif
-constexpr int DECODE_COPY_ROWS = NQ_DECODE_COPY_ROWS;
+// slice, and many small copies cost the copy engine more than the conflicts: runs of 4 rows
+// leave a 2-way conflict for 4 copies per slice.
+constexpr int DECODE_COPY_ROWS = 4;
 constexpr int DECODE_COPIES = PA_PAGE / DECODE_COPY_ROWS;  // per slice
 constexpr int DECODE_RUN = DECODE_COPY_ROWS * PA_D + 8;    // halves from one run to the next
 constexpr int DECODE_SLICE = DECODE_COPIES * DECODE_RUN;   // halves of a slice in shared memory

@@ -129,7 +129,8 @@ add_rmsnorm(float* __restrict__ residual, const float* delta, const unsigned sho
 // the same inv_rms. The barrier is split: each block announces at its start that it is running
 // (arrive), and waits for the others only just before its remote stores, since a block's shared
 // memory may be written only once the block has started.
-constexpr int RMS_CLUSTER = 8;  // the portable maximum cluster size; nanoqwen/cuda/backend.py mirrors it
+constexpr int RMS_CLUSTER = 8;  // the portable maximum cluster size
+NQ_EXPORT_INT(RMS_CLUSTER)
 constexpr int CLUSTER_VECTORS = RMS_VECTORS / RMS_CLUSTER;  // float4 per block: 112 for the 7B
 constexpr int CLUSTER_THREADS_WANTED = (CLUSTER_VECTORS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;
 constexpr int CLUSTER_THREADS = CLUSTER_THREADS_WANTED < 1024 ? CLUSTER_THREADS_WANTED : 1024;

@@ -19,17 +19,23 @@ import platform
 import statistics
 import sys
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
+from .byte_floor import READ_BANDWIDTH, bytes_per_token
 from .cli import subcommand
 from .config import ModelConfig
+from .cuda.profile import (
+    TIMING_STEPS,
+    kernel_table,
+    launch_timeline,
+    pdl_comparison,
+    time_decode_steps,
+    time_host_loop,
+)
 from .errors import BackendUnavailableError
 from .sampling import GREEDY
 
-READ_BANDWIDTH = 4.49e12  # bytes/s: a read-only streaming kernel on the H200 (shared/notes)
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
 # drawn in the decode graph; so is a top-p alone, but for the steps whose run is longer than the
 # device keeps, which the host draws (nanoqwen.cuda.backend.may_hand_back).
@@ -39,90 +45,6 @@ SAMPLED_SETTINGS = {
     "temperature 0.7, top-k 40, top-p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
     "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95),
 }
-
-
-def bytes_per_token(config: ModelConfig, context: int) -> dict[str, int]:
-    """Bytes one decode step must read at `context` cached positions, by kind."""
-    c, g = config, config.group_size
-    linear_params = c.num_layers * (
-        c.hidden_size * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    )
-    return {
-        "int4 weights": linear_params // 2,
-        "fp16 scales": linear_params // g * 2,
-        "fp16 lm_head": c.vocab_size * c.hidden_size * 2,
-        "kv cache": 2 * c.num_layers * c.kv_dim * 2 * context,
-        "embedding row, biases, norms": 2 * (c.hidden_size + c.num_layers * (c.q_dim + 2 * c.kv_dim + 2 * c.hidden_size) + c.hidden_size),
-    }
-
-
-def int4_bytes(out_features: int, in_features: int, group_size: int) -> int:
-    """Packed nibbles plus one fp16 scale per group."""
-    return out_features * in_features // 2 + out_features * in_features // group_size * 2
-
-
-def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True) -> dict[str, int]:
-    """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte:
-    the step's kernels with RoPE in the q|k|v GEMV (the fp16 engine's default), or, not
-    `rope_in_qkv`, with the plain GEMV and rope_write_kv (CudaBackend.rope_in_qkv)."""
-    L, H, I, g = config.num_layers, config.hidden_size, config.intermediate_size, config.group_size
-    qkv = config.q_dim + 2 * config.kv_dim
-    qkv_bytes = L * (int4_bytes(qkv, H, g) + 2 * qkv)  # + q, k, v biases
-    return {
-        "embed_tokens": 2 * H,  # one row of the embedding
-        "add_rmsnorm_cluster": (2 * L + 1) * 2 * H,  # a norm weight each: 2 per layer + the final norm
-        **({"gemv_int4_qkv_rope": qkv_bytes} if rope_in_qkv else {"gemv_int4_from_hidden": qkv_bytes, "rope_write_kv": 0}),
-        "attention_decode": L * 2 * config.kv_dim * 2 * context,  # K and V of every cached position
-        "gemv_int4_from_q_dim": L * int4_bytes(H, config.q_dim, g),
-        "gemv_int4_gate_up_silu": L * int4_bytes(2 * I, H, g),
-        "gemv_int4_from_intermediate": L * int4_bytes(H, I, g),
-        "lm_head_logits": config.vocab_size * H * 2,
-        "argmax_select_next": 0,
-    }
-
-
-def _median_ms(samples) -> float:
-    return statistics.median(samples) * 1e3
-
-
-def time_decode_steps(backend, step, steps: int, start_position: int, page_table) -> float:
-    """Median ms of `steps` replays of `step()` (each one decode step), GPU-timed per step."""
-    import cupy as cp
-
-    backend.set_step_inputs(1, start_position, page_table)
-    stream = backend.stream
-    times = []
-    for _ in range(steps):
-        begin, end = cp.cuda.Event(), cp.cuda.Event()
-        begin.record(stream)
-        step()
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(begin, end) / 1e3)
-    return _median_ms(times)
-
-
-def time_host_loop(backend, step, steps: int, start_position: int, page_table) -> float:
-    """Wall-clock ms per step of `steps` steps issued back to back (what a user waits)."""
-    backend.set_step_inputs(1, start_position, page_table)
-    backend.stream.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    backend.stream.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-def kernel_table(timeline) -> list[dict]:
-    per_kernel = defaultdict(lambda: [0, 0.0])
-    for name, start, end in timeline:
-        per_kernel[name][0] += 1
-        per_kernel[name][1] += end - start
-    total = sum(t for _, t in per_kernel.values())
-    return [
-        {"kernel": name, "launches": n, "us": round(t, 1), "us_per_launch": round(t / n, 2), "share": round(t / total, 4)}
-        for name, (n, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
-    ]
 
 
 def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: int, seed: int) -> dict:
@@ -165,99 +87,6 @@ def transformers_baseline(config: ModelConfig, prompt_tokens: int, new_tokens: i
         "prefill_ms": prefill * 1e3,
         "decode_ms_per_token": (total - prefill) / (new_tokens - 1) * 1e3,
     }
-
-
-TIMING_STEPS = 64  # decode steps each step-level timing runs past the prompt
-STEP_PROMPT_TOKENS = 512  # the protocol's prompt: the context every step-level timing starts from
-PDL_ROUNDS = 3  # alternations of the PDL and plain graphs; each figure is the median over rounds
-
-
-def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
-    """A CudaBackend of `model` holding a random prompt of `prompt_tokens` tokens, with pages for
-    TIMING_STEPS decode steps after it: where the step-level tools (tools/sweep_gemv_stages.py,
-    tools/step_ablation.py) start. Prefill dequantizes per prompt, so no fp16 copies take memory.
-    Returns (backend, page_table)."""
-    from .cuda.backend import CudaBackend
-    from .kvcache import pages_needed
-
-    pages = pages_needed(prompt_tokens + TIMING_STEPS + 1)
-    backend = CudaBackend(model, num_pages=pages, prefill_weights="expand")
-    page_table = np.arange(pages, dtype=np.int32)
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_tokens).astype(np.int32)
-    backend.prefill(prompt, 0, page_table)
-    return backend, page_table
-
-
-def step_launch_names(backend) -> list[str]:
-    """The kernel of every launch of one decode step of a CudaBackend, in launch order, the
-    attention object's two kernels included; nothing is launched."""
-    names = []
-    kept = dict(backend.kernels)
-    attention = backend.attention
-    kept_attention = (attention._decode, attention._combine)
-
-    def recorder(name):
-        return lambda *args, **kwargs: names.append(name)
-
-    try:
-        for name in kept:
-            backend.kernels[name] = recorder(name)
-        attention._decode, attention._combine = recorder(attention.decode_kernel), recorder("paged_attention_combine")
-        backend.decode_step_launches(backend.stream)
-    finally:
-        backend.kernels.update(kept)
-        attention._decode, attention._combine = kept_attention
-    return names
-
-
-def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
-    """A step-level tool's rows with where and when they were measured (UTC date and minute, the
-    GPU's name, the command) and the protocol they start from, ready for results/."""
-    import cupy as cp
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
-        "command": " ".join([tool, *argv]),
-        "prompt_tokens": STEP_PROMPT_TOKENS,
-        "steps_per_timing": TIMING_STEPS,
-        "rows": rows,
-    }
-
-
-def report_step_timings(tool: str, argv: list[str], rows: list[dict], header: list[str], cells: list[list],
-                        json_path=None) -> None:
-    """Print a step-level tool's results as a Markdown table (`cells`, one list per row, under
-    `header`) and, given `json_path`, write `rows` there as a step_timing_record."""
-    from .book.notebook import markdown_table
-
-    print(markdown_table(header, cells))
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps(step_timing_record(tool, argv, rows), indent=1))
-
-
-def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:
-    """The decode step captured twice, with programmatic dependent launch and without, timed in
-    alternation in the same run: GPU events per step and a host loop per token for each."""
-    from .cuda.graph import DecodeGraph
-    from .cuda.launch import driver_module
-
-    graphs = {"on": DecodeGraph(backend, pdl=True), "off": DecodeGraph(backend, pdl=False)}
-    result = {"engine_graph": backend.decode_graph().mode, "pdl_graph": graphs["on"].mode}
-    if not graphs["on"].pdl:
-        return {**result, "measured": False, "reason": driver_module()[1]}
-    gpu, wall = {"on": [], "off": []}, {"on": [], "off": []}
-    for _ in range(rounds):
-        for name in ("off", "on"):
-            launch = graphs[name].launch
-            gpu[name].append(time_decode_steps(backend, launch, TIMING_STEPS, start_position, page_table))
-            wall[name].append(time_host_loop(backend, launch, TIMING_STEPS, start_position, page_table))
-    result.update(measured=True, rounds=rounds)
-    for name in ("on", "off"):
-        result[f"graph_ms_per_step_gpu_{name}"] = statistics.median(gpu[name])
-        result[f"graph_ms_per_token_wall_{name}"] = statistics.median(wall[name])
-    result["saving_us_per_step_gpu"] = (result["graph_ms_per_step_gpu_off"] - result["graph_ms_per_step_gpu_on"]) * 1e3
-    return result
 
 
 def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repeats: int = 3,
@@ -350,8 +179,6 @@ def _sampled_decode(engine, ids: list[int], new_tokens: int, repeats: int, seed:
 
 def _step_costs(engine, ids: list[int], pages: int):
     """One decode step: eager launches against the captured graph, and per-kernel costs."""
-    from .cuda.graph import step_timeline
-
     backend, prompt_tokens = engine.backend, len(ids)
     backend.set_sampler(GREEDY)  # the protocol's step, whatever an earlier request drew with
     page_table = engine.allocator.allocate(pages)
@@ -367,7 +194,7 @@ def _step_costs(engine, ids: list[int], pages: int):
         }
         step["pdl"] = pdl_comparison(backend, prompt_tokens, page_table)
         backend.set_step_inputs(1, prompt_tokens, page_table)
-        timeline, empty_us = step_timeline(backend)
+        timeline, empty_us = launch_timeline(backend)
     finally:
         backend.forget_step_inputs()  # the timings advanced the device state behind the engine's back
         engine.allocator.free(page_table)

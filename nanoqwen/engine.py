@@ -24,7 +24,13 @@ from typing import Protocol
 import numpy as np
 
 from .config import ModelConfig
-from .errors import BackendUnavailableError, ContextLengthError, GenerationError, KVCacheFullError
+from .cuda.weights import PREFILL_WEIGHTS
+from .errors import (
+    BackendUnavailableError,
+    ContextLengthError,
+    GenerationError,
+    KVCacheFullError,
+)
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
 from .sampling import GREEDY, SamplingParams, sample
@@ -44,7 +50,6 @@ __all__ = [
 DEFAULT_MAX_CONTEXT = 4096  # tokens; the 7B allows 32768, but its KV cache would be 1.8 GB
 DEFAULT_MAX_NEW_TOKENS = 256
 BACKENDS = ("auto", "numpy", "cuda")
-PREFILL_WEIGHTS = ("auto", "cache", "expand")  # the CUDA backend's fp16 matrices for prefill (backend_cuda)
 
 
 class Backend(Protocol):

@@ -39,12 +39,24 @@ import pytest
 from nbval.kernel import CURRENT_ENV_KERNEL_NAME, RunningKernel
 from nbval.plugin import IPyNbCell, IPyNbFile, find_comment_markers, find_metadata_tags
 
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "tools"
 CHAPTER_DIR = "chapters"
 NBVAL_BUILD_DIR = Path("_build") / "nbval"
 _PLUGIN_NAME = "nanoqwen-chapters"
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def load_tool(name: str):
+    """The script tools/<name>.py as a module, for tests of its arithmetic. The scripts are run,
+    not installed, so they are loaded from their file rather than found on sys.path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------- chapters

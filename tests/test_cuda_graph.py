@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nanoqwen import sampling as sampling_module
-from nanoqwen.cuda.backend import TOP_K_MAX
+from nanoqwen.cuda.abi import TOP_K_MAX
 from nanoqwen.engine import Engine, cuda_available
 from nanoqwen.sampling import SamplingParams
 

@@ -34,11 +34,15 @@ from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, n
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from nanoqwen.cuda.backend import (  # noqa: E402  (needs cupy only when used, but keep the skip first)
-    ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_KERNELS, GEMV_MAX_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL,
-    QKV_ROPE_KERNEL, RMS_CLUSTER, CudaBackend, block_threads, fit_gemv_rings, gemv_launch, mapped_host_array, persistent_blocks, planned_ring_bytes,
-    STATUS_HOST_DRAWS, TOP_K_MAX, projection_splits, sampler_settings,
+# noqa: E402 below: these need cupy only when used, but the skip comes first
+from nanoqwen.cuda.abi import ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, RMS_CLUSTER  # noqa: E402
+from nanoqwen.cuda.abi import STATUS_HOST_DRAWS, TOP_K_MAX  # noqa: E402
+from nanoqwen.cuda.backend import CudaBackend  # noqa: E402
+from nanoqwen.cuda.device import NULL, fit_gemv_rings, mapped_host_array, persistent_blocks  # noqa: E402
+from nanoqwen.cuda.plan import (  # noqa: E402
+    GEMV_KERNELS, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, block_threads, gemv_launch, planned_ring_bytes, projection_splits,
 )
+from nanoqwen.cuda.sampler import sampler_settings  # noqa: E402
 
 ODD = ModelConfig(
     num_layers=2, hidden_size=384, intermediate_size=640, num_heads=6, num_kv_heads=2, head_dim=64,
@@ -174,7 +178,7 @@ PROJECTION_OF = {kernel: projection for projection, kernel in GEMV_KERNELS.items
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_planned_ring_bytes_match_the_device(config_name):
     """Chapter 6's dry run plans the GEMVs' shared memory from the kernel file's default depths
-    (build.macro_defaults, backend_cuda.planned_ring_bytes); the device reports its own."""
+    (build.macro_defaults, plan.planned_ring_bytes); the device reports its own."""
     stages = build.macro_defaults("gemv_int4.cu")
     for name, macro in GEMV_STAGES_MACROS.items():
         planned = planned_ring_bytes(name, int(stages[macro]), CONFIGS[config_name].group_size)

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from nanoqwen.cuda import graph as cuda_graph
+from nanoqwen.cuda import profile
 from nanoqwen.cuda import launch as cuda_launch
 from nanoqwen.cuda.launch import (
     KERNELS_THAT_WAIT, LaunchError, ProgrammaticKernel, StepKernel, pack_arguments, programmatic_launches,
@@ -434,7 +435,7 @@ def test_every_kernel_of_a_step_writes_the_same_bits_with_and_without_pdl(pdl_av
         stream = backend.stream
         with stream:
             state, kv_pool = backend.state.copy(), backend.kv_pool.copy()
-        with cuda_graph.LaunchRecorder(backend) as recorder:
+        with profile.LaunchRecorder(backend) as recorder:
             backend.decode_step_launches(stream)
         stream.synchronize()
         thunks = [thunk for _, thunk in recorder.launches]

@@ -194,8 +194,9 @@ def test_which_draws_the_cuda_backend_makes_on_the_device():
     """Greedy, temperature, a top-k of at most TOP_K_MAX (with or without top-p) and a top-p alone
     run in the decode graph; a larger top-k brings the logits to the host, and a top-p alone may
     hand a step's draw back (its run may be longer than the TOP_K_MAX tokens the device keeps). The
-    settings' words are the layout of kernels/lm_head.cu's SamplerSettings."""
-    from nanoqwen.cuda.backend import TOP_K_MAX, device_top_k, may_hand_back, sampler_settings
+    settings' words are the layout of kernels/sampler.cuh's SamplerSettings."""
+    from nanoqwen.cuda.abi import TOP_K_MAX
+    from nanoqwen.cuda.sampler import device_top_k, may_hand_back, sampler_settings
 
     vocab = 5000
     assert device_top_k(SamplingParams(), vocab) == 0

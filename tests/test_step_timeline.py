@@ -1,20 +1,15 @@
-"""The step tools' arithmetic (tools/step_timeline.py, tools/step_ablation.py) on made-up records and backends."""
+"""tools/step_timeline.py's arithmetic on made-up records, and nanoqwen.cuda.profile's launch list."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import load_tool
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+from nanoqwen.byte_floor import READ_BANDWIDTH, kernel_bytes
+from nanoqwen.random_model import QWEN25_CODER_7B
 
-import step_timeline  # noqa: E402
-
-from nanoqwen.bench import READ_BANDWIDTH, kernel_bytes  # noqa: E402
-from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+step_timeline = load_tool("step_timeline")
 
 LAYER = ["add_rmsnorm_cluster", "gemv_int4_qkv_rope", "paged_attention_decode", "paged_attention_combine",
          "gemv_int4_from_q_dim", "add_rmsnorm_cluster", "gemv_int4_gate_up_silu", "gemv_int4_from_intermediate"]
@@ -120,18 +115,10 @@ class _TwoLayerBackend:
 
 
 def test_step_launch_names_records_in_order_and_restores_the_kernels():
-    from nanoqwen.bench import step_launch_names
+    from nanoqwen.cuda.profile import step_launch_names
 
     backend = _TwoLayerBackend()
     layer = ["add_rmsnorm_cluster", "gemv_int4_from_hidden", "paged_attention_decode", "paged_attention_combine"]
     assert step_launch_names(backend) == [*layer, *layer, "lm_head_logits"]
     assert all(kernel is _never for kernel in backend.kernels.values())
     assert backend.attention._decode is _never and backend.attention._combine is _never
-
-
-def test_the_ablation_counts_launches_from_the_same_record():
-    import step_ablation
-
-    backend = _TwoLayerBackend()
-    assert step_ablation.launches_of(backend, ["attention"]) == 4
-    assert step_ablation.launches_of(backend, ["add_rmsnorm_cluster", "lm_head_logits"]) == 3

@@ -23,22 +23,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nanoqwen.cuda import build  # noqa: E402
-from nanoqwen.cuda.backend import (  # noqa: E402
-    GATE_UP_SPLITS, GEMV_STAGES_MACROS, LM_HEAD_THREADS, NULL, block_threads, fit_gemv_rings, gemv_launch, gemv_splits,
-    persistent_blocks, sampler_settings,
-)
-from nanoqwen.quant import tile_int4  # noqa: E402
-from nanoqwen.sampling import SamplingParams  # noqa: E402
-from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+from nanoqwen.cuda import build
+from nanoqwen.cuda.abi import LM_HEAD_THREADS
+from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks
+from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_STAGES_MACROS, block_threads, gemv_launch, gemv_splits
+from nanoqwen.cuda.sampler import sampler_settings
+from nanoqwen.quant import tile_int4
+from nanoqwen.sampling import SamplingParams
+from nanoqwen.random_model import QWEN25_CODER_7B
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10

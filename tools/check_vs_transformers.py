@@ -50,14 +50,13 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import nanoqwen  # noqa: E402
-from nanoqwen.config import PAGE_SIZE  # noqa: E402
-from nanoqwen.engine import BACKENDS, DEFAULT_MAX_CONTEXT, Engine  # noqa: E402
-from nanoqwen.kvcache import pages_needed  # noqa: E402
-from nanoqwen.quant import NIBBLE_OF_ELEMENT, ZERO_POINT, dequantize_int4  # noqa: E402
-from nanoqwen.testing import _hf_config  # noqa: E402  (ModelConfig -> Qwen2Config, shared with reference_model)
+import nanoqwen
+from nanoqwen.config import PAGE_SIZE
+from nanoqwen.engine import BACKENDS, DEFAULT_MAX_CONTEXT, Engine
+from nanoqwen.kvcache import pages_needed
+from nanoqwen.quant import NIBBLE_OF_ELEMENT, ZERO_POINT, dequantize_int4
+from nanoqwen.testing import _hf_config  # ModelConfig -> Qwen2Config, shared with reference_model
 
 FP16_UNIT_ROUNDOFF = 2.0**-11
 TOLERANCE_FACTOR = 16  # tests/test_engine_numpy.py measures up to ~2.5 on its small models

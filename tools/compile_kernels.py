@@ -20,10 +20,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from nanoqwen.cuda import build  # noqa: E402
-from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+from nanoqwen.cuda import build
+from nanoqwen.random_model import QWEN25_CODER_7B
 
 ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 USAGE = re.compile(r"Used (\d+) registers")

@@ -46,17 +46,16 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from nanoqwen.reference import ops  # noqa: E402
-from nanoqwen.config import PAGE_SIZE, ModelConfig  # noqa: E402
-from nanoqwen.cuda.attention import (  # noqa: E402
+from nanoqwen.reference import ops
+from nanoqwen.config import PAGE_SIZE, ModelConfig
+from nanoqwen.cuda.attention import (
     BrokenPagedAttention,
     PagedAttention,
     random_paged_cache,
     relative_error,
 )
-from nanoqwen.random_model import QWEN25_CODER_7B  # noqa: E402
+from nanoqwen.random_model import QWEN25_CODER_7B
 
 
 def shape(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int = 32768) -> ModelConfig:

@@ -30,17 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nanoqwen.cuda import build  # noqa: E402
-from nanoqwen.cuda.backend import GEMV_KERNELS, QKV_ROPE_KERNEL  # noqa: E402
-from nanoqwen.bench import STEP_PROMPT_TOKENS as PROMPT_TOKENS  # noqa: E402
-from nanoqwen.bench import (  # noqa: E402
-    READ_BANDWIDTH, TIMING_STEPS, bytes_per_token, kernel_bytes, prompted_backend, step_launch_names,
-    step_timing_record,
-)
-from nanoqwen.loader import load  # noqa: E402
+from nanoqwen.cuda import build
+from nanoqwen.byte_floor import READ_BANDWIDTH, bytes_per_token, kernel_bytes
+from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
+from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS as PROMPT_TOKENS
+from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
+from nanoqwen.loader import load
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
           QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE",

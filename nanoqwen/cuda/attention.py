@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import build as cuda_build
 from ..config import PAGE_SIZE, ModelConfig
+from . import build as cuda_build
 from .launch import StepKernel
 
 __all__ = [

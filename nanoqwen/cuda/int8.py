@@ -23,9 +23,9 @@ import functools
 import numpy as np
 
 from ..config import GROUP_SIZE, ModelConfig
-from .launch import StepKernel
 from ..loader import Int4Linear
 from ..quant import dequantize_int4, unpack_int4
+from .launch import StepKernel
 
 ACT_QMAX = 127  # symmetric INT8: -128 is never produced, so +-max|x| map exactly
 # Byte p of every chunk of eight stored activations holds element PAIR_ORDER[p] of the chunk:

@@ -42,6 +42,7 @@ import threading
 import warnings
 
 import numpy as np
+
 from ..errors import LaunchError
 
 # Kernels whose every block calls wait_for_previous_kernel() before it reads what an earlier

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
 from ..config import PAGE_SIZE
 from ..kvcache import check_positions, check_tokens, kv_pool_shape
 from ..loader import LayerWeights, Model
 from ..quant import dequantize_int4
 from ..sampling import GREEDY, SamplingParams, sample
+from . import ops
 
 # fp32 copies of the INT4 weights cost 8x their packed size, of the fp16 lm_head 2x. Below
 # this budget they are made once (a tiny test model decodes in milliseconds); above it (a 7B

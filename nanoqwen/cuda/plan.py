@@ -1,0 +1,104 @@
+"""Launch geometry and tuning of the decode step: how many warps and blocks each kernel gets.
+
+Everything here is arithmetic on the model's shapes and the GPU's multiprocessor count, so it runs
+without a GPU (the compile check and the book plan launches on a CPU). The numbers a kernel fixes
+(block sizes, the most warps a block holds) come from nanoqwen.cuda.abi.
+
+A decode GEMV's time is set by how many bytes each SM has in flight, not by arithmetic: its warps
+copy groups of weights into shared-memory rings ahead of the multiply. So every choice below is
+about bytes in flight per SM and where a kernel's blocks land while the kernel before it finishes.
+"""
+
+from __future__ import annotations
+
+from ..quant import TILE_ROWS
+from .abi import (
+    ARGMAX_THREADS,
+    GATE_UP_MAX_SPLITS,
+    GEMV_MAX_SPLITS,
+    LM_HEAD_THREADS,
+    RMS_CLUSTER,
+)
+
+# Warps per 16-row tile of the gate+up GEMV, each a share of the input groups. One warp per tile
+# issues too few loads to keep its bytes moving; two fill the SM with the 7B's 1184 tiles.
+GATE_UP_SPLITS = 2
+# Split K so that each SM gets about this many GEMV warps (each keeps a ring of groups in flight):
+# down_proj's split. Fewer leave bytes unrequested; more make each warp's range too short.
+GEMV_WARPS_PER_SM = 16
+MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
+# q|k|v and o sit on the step's chain of small kernels, where what a warp still has to multiply
+# after its wait is the kernel's time. So they split K until no warp has more than this many
+# groups; each warp's range then fits its ring and is requested whole before the wait.
+CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
+GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
+# Decode's fp16 q|k|v: gemv_int4_from_hidden's work with RoPE and the cache write in its epilogue.
+QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
+# Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
+# driver's choice). With its ring depth (kernels/gemv_int4.cu, NQ_*_STAGES) it sets how many of the
+# kernel's blocks an SM holds, and so where they land when they start early, beside the kernel
+# before them: q|k|v and o three blocks per SM at half the capacity; down_proj, with 6-deep rings,
+# two at the full capacity, the configuration gate+up (the kernel before it) runs in, since an SM
+# can change its split of L1 and shared memory only when it is empty.
+GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, QKV_ROPE_KERNEL: 50, "gemv_int4_from_q_dim": 50,
+                         "gemv_int4_from_intermediate": 100, "gemv_int4_gate_up_silu": -1}
+# GEMV kernel -> the macro of kernels/gemv_int4.cu that sets its ring depth
+GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", QKV_ROPE_KERNEL: "NQ_FROM_HIDDEN_STAGES",
+                      "gemv_int4_from_q_dim": "NQ_FROM_Q_DIM_STAGES",
+                      "gemv_int4_from_intermediate": "NQ_FROM_INTERMEDIATE_STAGES",
+                      "gemv_int4_gate_up_silu": "NQ_GATE_UP_STAGES"}
+# GEMV kernel -> the most warps (splits) a block holds; each warp has a ring of shared memory, whose
+# size the module's `__device__ int <kernel>_ring_bytes` holds.
+GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in (*GEMV_KERNELS.values(), QKV_ROPE_KERNEL)},
+                  "gemv_int4_gate_up_silu": GATE_UP_MAX_SPLITS}
+
+
+def block_threads(config) -> dict[str, int]:
+    """Threads per block of the kernels whose block size is fixed by their __launch_bounds__."""
+    cluster_vectors = config.hidden_size // 4 // RMS_CLUSTER
+    return {
+        "add_rmsnorm": min(config.hidden_size // 4, 1024),  # one float4 per thread (rmsnorm.cu)
+        "add_rmsnorm_cluster": min(-(-cluster_vectors // 32) * 32, 1024),  # a block's share of the row, whole warps
+        "embed_tokens": min(config.hidden_size // 8, 1024),  # one 16-byte piece per thread
+        "rope_write_kv": config.head_dim // 2,  # one rotation pair per thread
+        "lm_head_logits": LM_HEAD_THREADS,
+        "argmax_select_next": ARGMAX_THREADS,
+    }
+
+
+def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: int = 128,
+                warps_per_sm: int = GEMV_WARPS_PER_SM, min_groups_per_split: int = MIN_GROUPS_PER_SPLIT) -> int:
+    """Split-K factor for a decode GEMV: about `warps_per_sm` (tile, split) warps per SM, while
+    each split keeps at least `min_groups_per_split` groups and a tile's splits fit one block."""
+    tiles = -(-out_features // TILE_ROWS)
+    groups = in_features // group_size
+    wanted = -(-warps_per_sm * num_sms // tiles)
+    return max(1, min(wanted, groups // min_groups_per_split, GEMV_MAX_SPLITS))
+
+
+def projection_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128) -> int:
+    """The split-K factor the engine gives a decode projection ("qkv", "o", "down", "gate_up"; the
+    fused gate+up GEMV itself runs GATE_UP_SPLITS warps per tile): the chain GEMVs at most
+    CHAIN_GEMV_GROUPS_PER_SPLIT groups per warp, the others `gemv_splits`' warps per SM."""
+    most_groups = CHAIN_GEMV_GROUPS_PER_SPLIT.get(projection)
+    if most_groups is None:
+        return gemv_splits(out_features, in_features, num_sms, group_size)
+    return max(1, min(-(-(in_features // group_size) // most_groups), GEMV_MAX_SPLITS))
+
+
+def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
+    """(grid, block, dynamic shared bytes) of a GEMV of GEMV_MAX_WARPS: one block per 16-row tile of its
+    `rows` output rows (gate+up: gate's, each block taking up's same rows too), `splits` warps in
+    it, each with a ring of `ring_bytes` (fit_gemv_rings)."""
+    most = GEMV_MAX_WARPS[kernel]
+    if not 1 <= splits <= most:
+        raise ValueError(f"a {kernel} block holds 1..{most} splits, got {splits}")
+    return (-(-rows // TILE_ROWS),), (splits * 32,), splits * ring_bytes
+
+
+def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:
+    """One warp's ring of GEMV `name` as kernels/gemv_int4.cu's GemvRing lays it out: per slot, the
+    warp's tiles' (gate+up: two) 16 rows x group_size / 2 bytes of weights and group_size fp16 of x.
+    The engine launches with the device's own figure (fit_gemv_rings); this plans without a GPU."""
+    tiles = 2 if name == "gemv_int4_gate_up_silu" else 1
+    return stages * (tiles * TILE_ROWS * group_size // 2 + 2 * group_size)
