@@ -427,7 +427,7 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERM
 // fetches any row's pieces from the tiled layout, and both halves of the tile are still 512-byte
 // runs. The rows keep their order in the output: q heads go rotated into q_out, K rotated and V
 // as they are, in fp16, into the token's page. The kernel that came after (rope_write_kv) was a
-// launch and a round trip to L2 on the step's chain of small kernels (chapter 9).
+// launch and a round trip to L2 on the step's chain of small kernels (chapter 10).
 // grid (NQ_QKV_DIM / 16), block (32 splits); qweight, scales, bias as gemv_int4_from_hidden's for
 // the stacked q|k|v rows; positions int32 [1] (the step's position); inv_freq fp32 [D/2];
 // page_table int32; kv_layer fp16 [pages, 2, KVH, 16, D]; q_out fp32 [Q_DIM]

@@ -1,4 +1,4 @@
-// Path A of chapter 7: INT8 activations and __dp4a for the INT4 projections.
+// Path A of chapter 8: INT8 activations and __dp4a for the INT4 projections.
 //
 // The engine's default GEMV (gemv_int4.cu, "Path B") keeps the activations in fp16, unpacks
 // each INT4 weight to fp16 and accumulates in fp32. This file is the alternative the chapter

@@ -144,7 +144,7 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
                    help="auto (default) takes CUDA when CuPy sees a GPU")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
-                   help="decode projections' input precision on the CUDA backend (chapter 7)")
+                   help="decode projections' input precision on the CUDA backend (chapter 8)")
     p.add_argument("--prefill-weights", choices=("auto", "cache", "expand"), default="auto",
                    help="CUDA backend: keep fp16 copies of the projections for prefill (cache, 2 bytes per weight), "
                         "dequantize them per prompt (expand), or cache when the GPU has room (auto, the default)")

@@ -195,7 +195,7 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
         from .reference.backend import NumpyBackend
 
         if activations != "fp16":
-            raise BackendUnavailableError("INT8 activations (chapter 7's Path A) exist on the CUDA backend only")
+            raise BackendUnavailableError("INT8 activations (chapter 8's Path A) exist on the CUDA backend only")
         if prefill_weights == "cache":
             raise BackendUnavailableError("prefill_weights='cache' (fp16 copies for cuBLAS) exists on the CUDA backend only")
         return NumpyBackend(model, num_pages)

@@ -134,7 +134,7 @@ def _decode_logits(engine, prompt: str, steps: int, feed=None):
 
 
 def test_int8_activations_path_runs_in_the_graph(engines):
-    """Path A (chapter 7) in the engine: graph equals eager bitwise, and, fed the same tokens,
+    """Path A (chapter 8) in the engine: graph equals eager bitwise, and, fed the same tokens,
     its logits stay close to Path B's (INT8 activations cost ~2% relative error per
     projection; they do not make a different model)."""
     from nanoqwen.cli import DEFAULT_MODEL

@@ -1,7 +1,7 @@
 """The nano-coder model shipped in the package: the file, its provenance, the engine on it, the CLI.
 
 nano-coder is the one trained model every CPU test and chapter can run (tools/nano_coder/
-trains it; chapter 10 describes it). These tests pin down that the shipped pieces belong
+trains it; chapter 11 describes it). These tests pin down that the shipped pieces belong
 together: the .nanoqwen file is exactly what `nanoqwen convert` makes of the Hugging Face
 checkpoint beside it, that checkpoint is the one train_log.json describes, and the numpy
 engine computes on it what transformers computes on the same (dequantized) weights.

@@ -1,5 +1,5 @@
 """Path A (INT8 activations, __dp4a) against Path B (fp16 activations, the engine's GEMV) on
-every INT4 projection shape of Qwen2.5-Coder-7B, on one GPU. Chapter 7 plots what it writes.
+every INT4 projection shape of Qwen2.5-Coder-7B, on one GPU. Chapter 8 plots what it writes.
 
     PYTHONPATH=. python3 tools/bench_int8_vs_fp16.py [--replays 20] [--json PATH]
 

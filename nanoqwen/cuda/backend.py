@@ -2,7 +2,7 @@
 
 It implements the same protocol as `nanoqwen.reference.backend.NumpyBackend` (see
 `nanoqwen.engine.Backend`) and, with fp16 activations, computes the same numbers
-(ARCHITECTURE.md, "Numerics"; INT8 activations are chapter 7's approximation), with
+(ARCHITECTURE.md, "Numerics"; INT8 activations are chapter 8's approximation), with
 the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 
 Decode, one token, every launch on `self.stream` (L = num_layers):
@@ -76,7 +76,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill):
         (default: nanoqwen.cuda.attention.PagedAttention). With `use_graph` (the default) decode
         replays one captured CUDA graph per token (nanoqwen.cuda.graph); without it, it launches
         every kernel from Python. `activations` picks the decode projections' input precision:
-        "fp16" (Path B, the default) or "int8" (Path A of chapter 7: each projection's input is
+        "fp16" (Path B, the default) or "int8" (Path A of chapter 8: each projection's input is
         quantized to INT8 by a kernel of its own and multiplied with __dp4a; prefill is unchanged).
         With `pdl` (the default) the decode graph is captured with programmatic dependent launches
         (nanoqwen.cuda.launch), so each kernel may start while the one before it finishes; it

@@ -1,4 +1,4 @@
-"""Path A of chapter 7: INT8 activations and __dp4a for the INT4 projections.
+"""Path A of chapter 8: INT8 activations and __dp4a for the INT4 projections.
 
 The engine's projections keep activations in fp16 (Path B, `kernels/gemv_int4.cu`). Path A
 quantizes the activation vector to INT8 first, so that one `__dp4a` multiplies four INT4

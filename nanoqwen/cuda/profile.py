@@ -48,7 +48,7 @@ class LaunchRecorder:
         for name, kernel in self._kernels.items():
             backend.kernels[name] = self._wrap(name, kernel)
         backend.attention.decode = self._wrap("attention_decode", self._attention_decode)
-        # Path A's projections (chapter 7) launch kernels of their own.
+        # Path A's projections (chapter 8) launch kernels of their own.
         self._int8 = [gemv for layer in (getattr(backend, "int8_layers", None) or ()) for gemv in layer.values()]
         for gemv in self._int8:
             gemv._quantize_kernel = self._wrap("quantize_activations_int8", gemv._quantize_kernel)

@@ -110,7 +110,7 @@ class WeightUpload:
 
     def _int8_projections(self, layer: int) -> dict:
         """Path A launchers for one layer's four projections. Path A's kernel reads the file's
-        row-major layout, so it gets its own copy of the weights (chapter 7 compares the paths;
+        row-major layout, so it gets its own copy of the weights (chapter 8 compares the paths;
         only this mode pays the memory)."""
         from .int8 import Int8Gemv
 
