@@ -23,9 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from . import __version__
 from .errors import ConfigError, NanoqwenFormatError, CheckpointError, GenerationError, ContextLengthError, BackendUnavailableError
 
-DEFAULT_MODEL = Path(__file__).parent / "models" / "nano-coder" / "nano-coder.nanoqwen"
+SHIPPED_MODELS = Path(__file__).parent / "models"
+DEFAULT_MODEL = SHIPPED_MODELS / "nano-coder" / "nano-coder.nanoqwen"
 OPTIONAL_SUBCOMMAND_MODULES = ("nanoqwen.bench",)
 # Problems with what the user gave us: reported in one line, exit status 1.
 USER_ERRORS = (NanoqwenFormatError, GenerationError, CheckpointError, ConfigError, OSError)
@@ -78,7 +80,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="a .nanoqwen file")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="a .nanoqwen file (default: the shipped nano-coder)")
     p.add_argument("--verify", action="store_true", help="also check every tensor's CRC-32 (reads the whole file)")
 
 
@@ -99,7 +101,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from .kvcache import kv_bytes_per_token
     from .loader import TOKENIZER_PREFIX, load
 
-    model = load(args.model, verify_checksums=args.verify)
+    model = load(_model_path(args.model), verify_checksums=args.verify)
     c = model.config
     print(f"{model.path}: .nanoqwen version {VERSION}, {model.path.stat().st_size:,} bytes")
     for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -129,6 +131,31 @@ def run_inspect(args: argparse.Namespace) -> int:
           f" + {kv_bytes_per_token(c):,} bytes of KV cache per position of context")
     if args.verify:
         print("checksums: all tensors match their CRC-32")
+    return 0
+
+
+# ---- models ----
+
+
+def _models_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+@subcommand("models", "list the models shipped in the package, with their paths", _models_arguments)
+def run_models(args: argparse.Namespace) -> int:
+    from .loader import load
+
+    for path in sorted(SHIPPED_MODELS.glob("*/*.nanoqwen")):
+        model = load(path)
+        try:
+            c = model.config
+            parameters = sum(int(np.prod(t.shape)) * (8 if name.endswith(".qweight") else 1)
+                             for name, t in model.tensors.items() if not name.endswith(".scales") and t.dtype != np.uint8)
+        finally:
+            model.close()
+        default = "  (the default MODEL)" if path == DEFAULT_MODEL else ""
+        print(f"{path.stem:<12} {c.num_layers} layers, hidden {c.hidden_size}, {parameters / 1e6:.1f}M parameters{default}")
+        print(f"{'':<12} {path}")
     return 0
 
 
@@ -219,14 +246,17 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(piece.text)
                 sys.stdout.flush()
     print()
-    result = stream.result
-    print(
-        f"[{len(result.token_ids)} tokens, finished by {result.finish_reason}; prompt {len(result.prompt_token_ids)} "
-        f"tokens in {result.prefill_seconds * 1e3:.1f} ms; decode {result.decode_tokens_per_second:.1f} tokens/s "
-        f"on {result.backend}" + (f"; --seed {result.seed} replays it" if result.seed is not None else "") + "]",
-        file=sys.stderr,
-    )
+    print(_stats_line(stream.result), file=sys.stderr)
     return 0
+
+
+def _stats_line(result) -> str:
+    """One line about a finished generation; the decode rate only when there were decode steps."""
+    rate = result.decode_tokens_per_second
+    decode = f"decode {rate:.1f} tokens/s" if rate == rate else "no decode steps"  # NaN: prefill chose every token
+    return (f"[{len(result.token_ids)} tokens, finished by {result.finish_reason}; prompt {len(result.prompt_token_ids)} "
+            f"tokens in {result.prefill_seconds * 1e3:.1f} ms; {decode} on {result.backend}"
+            + (f"; --seed {result.seed} replays it" if result.seed is not None else "") + "]")
 
 
 # ---- chat ----
@@ -261,6 +291,7 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         if line.strip() == "/reset":
             history = list(opening)
+            print("[conversation reset]")
             continue
         if not line.strip():
             continue
@@ -295,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         if importlib.util.find_spec(module) is not None:
             importlib.import_module(module)
     parser = argparse.ArgumentParser(prog="nanoqwen", description="Qwen2.5-Coder inference from a .nanoqwen file.")
+    parser.add_argument("--version", action="version", version=f"nanoqwen {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help, arguments, run) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help, description=help)

@@ -13,6 +13,7 @@ row chunks on all cores.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +38,23 @@ QWEN25_CODER_7B = ModelConfig(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-PRESETS = {"qwen2.5-coder-7b": QWEN25_CODER_7B}
+
+def _qwen25_coder(layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, vocab: int, tied: bool) -> ModelConfig:
+    """A published Qwen2.5-Coder shape (the models' config.json files): every size shares RoPE's
+    theta, the norm's eps and the 32K context; head_dim is hidden / heads."""
+    return ModelConfig(num_layers=layers, hidden_size=hidden, intermediate_size=mlp, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+                       max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied)
+
+
+PRESETS = {
+    "qwen2.5-coder-0.5b": _qwen25_coder(24, 896, 4864, 14, 2, 151936, tied=True),
+    "qwen2.5-coder-1.5b": _qwen25_coder(28, 1536, 8960, 12, 2, 151936, tied=True),
+    "qwen2.5-coder-3b": _qwen25_coder(36, 2048, 11008, 16, 2, 151936, tied=True),
+    "qwen2.5-coder-7b": QWEN25_CODER_7B,
+    "qwen2.5-coder-14b": _qwen25_coder(48, 5120, 13824, 40, 8, 152064, tied=False),
+    "qwen2.5-coder-32b": _qwen25_coder(64, 5120, 27648, 40, 8, 152064, tied=False),
+}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Trained linear weights have a standard deviation near 0.02; the largest of 128 such values
@@ -133,10 +150,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write a .nanoqwen file with random weights.")
     parser.add_argument("out", help="path of the .nanoqwen file to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-coder-7b")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="keep the preset's widths but only N layers (a reference that must fit in memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-dir", help="directory with tokenizer.json and tokenizer_config.json")
     args = parser.parse_args(argv)
-    out = write_random_model(args.out, PRESETS[args.preset], args.seed, args.tokenizer_dir, progress=True)
+    config = PRESETS[args.preset]
+    if args.layers is not None:
+        config = dataclasses.replace(config, num_layers=args.layers)
+    out = write_random_model(args.out, config, args.seed, args.tokenizer_dir, progress=True)
     print(f"{out}: {out.stat().st_size:,} bytes")
 
 

@@ -222,9 +222,9 @@ def test_readme_quickstart_is_what_ci_runs():
     assert any(line.startswith(test_cmd) for line in ci_lines), (
         f".ci/run must run the README's test command verbatim: {test_cmd!r}"
     )
-    build = book_cmd.split("&&")[-1].strip()
-    assert build == "jupyter-book build . -W --keep-going"
-    assert build in ci_lines
+    assert book_cmd.split("&&")[-1].strip() == "jupyter-book build . -W --keep-going"
+    assert book_cmd in ci_lines, f".ci/run must run the README's book command verbatim: {book_cmd!r}"
+    assert "python3 -m venv" in ci, ".ci/run must install into a fresh virtual environment"
 
 
 def test_markdown_tables_escape_pipes_inside_cells():

@@ -62,19 +62,29 @@ class Prefill:
             (linear.qweight, linear.scales, dense, np.int32(linear.out_features), np.int32(linear.in_features)),
         )
 
+    def _prefill_buffers(self, rows: int) -> dict:
+        """Prefill's activations for `rows` tokens: views of buffers allocated once, for the longest
+        chunk so far, and zeroed when allocated. cuBLAS writes its outputs in ways compute-sanitizer's
+        initcheck does not see, so a buffer first written by a GEMM would read as uninitialized; a
+        memset it does see. Every row a chunk reads was written by that chunk."""
+        c = self.config
+        if self._prefill_scratch is None or self._prefill_scratch["residual"].shape[0] < rows:
+            cp = self._cp
+            widths = {"residual": (c.hidden_size, cp.float32), "normed": (c.hidden_size, cp.float16),
+                      "delta": (c.hidden_size, cp.float32), "qkv": (self.layers[0].qkv.out_features, cp.float32),
+                      "q": (c.q_dim, cp.float32), "attn": (c.q_dim, cp.float16),
+                      "gate_up": (2 * c.intermediate_size, cp.float32), "hidden": (c.intermediate_size, cp.float16)}
+            self._prefill_scratch = {name: cp.zeros((rows, width), dtype=dtype) for name, (width, dtype) in widths.items()}
+        return {name: buffer[:rows] for name, buffer in self._prefill_scratch.items()}
+
     def _prefill_chunk(self, token_ids: np.ndarray, start_pos: int, last: bool) -> None:
-        cp, c, k = self._cp, self.config, self.kernels
-        t, H = len(token_ids), c.hidden_size
+        cp, k = self._cp, self.kernels
+        t = len(token_ids)
         ids = cp.asarray(token_ids)
         self.prefill_start.set(np.array([start_pos], dtype=np.int32), stream=self.stream)
-        residual = cp.empty((t, H), dtype=cp.float32)
-        normed = cp.empty((t, H), dtype=cp.float16)
-        delta = cp.empty((t, H), dtype=cp.float32)
-        qkv = cp.empty((t, self.layers[0].qkv.out_features), dtype=cp.float32)
-        q = cp.empty((t, c.q_dim), dtype=cp.float32)
-        attn = cp.empty((t, c.q_dim), dtype=cp.float16)
-        gate_up = cp.empty((t, 2 * c.intermediate_size), dtype=cp.float32)
-        hidden = cp.empty((t, c.intermediate_size), dtype=cp.float16)
+        b = self._prefill_buffers(t)
+        residual, normed, delta, qkv, q, attn, gate_up, hidden = (
+            b[name] for name in ("residual", "normed", "delta", "qkv", "q", "attn", "gate_up", "hidden"))
 
         k["embed_tokens"]((t,), (self.threads["embed_tokens"],), (ids, self.embed, residual))
         update = None  # layer 0 normalises the embedding as it is
