@@ -1,0 +1,120 @@
+"""The engine against transformers at every published Qwen2.5-Coder size, and one long prompt.
+
+    python3 tools/check_by_size.py --out results/check-by-size-h200     # on a GPU machine
+
+For each size, a random-weight file of the published shapes (`nanoqwen.random_model` presets)
+is written to a scratch folder and `tools/check_vs_transformers.py` runs on it in a process of
+its own (each frees its GPU memory when it ends). Where the fp32 reference of every layer would not
+fit in the GPU's memory beside the engine, the model keeps its published widths and fewer layers
+(`LAYERS`), and the record says so. Writes OUT.json (every check's record) and OUT.md (one row
+per check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+# preset -> layers kept (None: all). 32B's 64 layers in fp32 are ~125 GB: 40 keep the reference at ~84 GB.
+LAYERS = {"qwen2.5-coder-0.5b": None, "qwen2.5-coder-1.5b": None, "qwen2.5-coder-3b": None,
+          "qwen2.5-coder-7b": None, "qwen2.5-coder-14b": None, "qwen2.5-coder-32b": 40}
+LONG_PROMPT = ("qwen2.5-coder-1.5b", 8192)  # a prompt past 8k tokens, at a size whose reference attends to it quickly
+STEPS = 32
+
+
+def run_check(model: Path, prompt_tokens: int, json_path: Path, timeout: int) -> tuple[int, str]:
+    command = [sys.executable, str(TOOLS / "check_vs_transformers.py"), "--model", str(model), "--steps", str(STEPS),
+               "--prompt-tokens", str(prompt_tokens), "--json", str(json_path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout} s"
+
+
+def row(preset: str, layers: int | None, prompt_tokens: int, record: dict | None, status: int, log: str) -> dict:
+    if record is None:
+        return dict(preset=preset, layers_kept=layers, prompt_tokens=prompt_tokens, passed=False, error=log[-500:])
+    c = record["model"]["config"]
+    return dict(preset=preset, layers=c["num_layers"], layers_kept=layers, hidden=c["hidden_size"],
+                mlp=c["intermediate_size"], heads=f"{c['num_heads']}:{c['num_kv_heads']}", tied=c["tie_word_embeddings"],
+                prompt_tokens=prompt_tokens, passed=record["passed"],
+                worst_error_over_tolerance=record["counts"]["worst_error_over_tolerance"],
+                disagreements=record["counts"]["disagreements"], failures=record["failures"])
+
+
+def markdown(record: dict) -> str:
+    lines = [f"# The engine against transformers at every Qwen2.5-Coder size ({record['gpu']})", "",
+             f"- date: {record['date']}", f"- GPU: {record['gpu']}", f"- command: `{record['command']}`",
+             "- each check: `tools/check_vs_transformers.py` (random weights of the published shapes, transformers "
+             f"fp32 holding the same dequantized weights, {STEPS} teacher-forced decode steps; tolerance: "
+             f"{record['tolerance']})", "",
+             "| size | layers | hidden, MLP, heads q:kv, tied | prompt | worst error / tolerance | verdict |",
+             "| --- | ---: | --- | ---: | ---: | --- |"]
+    for r in record["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | | | {r['prompt_tokens']} | | did not run: {r['error'][-120:]!r} |")
+            continue
+        layers = f"{r['layers']}" + (" (cut: the fp32 reference)" if r["layers_kept"] else "")
+        lines.append(f"| {r['preset']} | {layers} | {r['hidden']}, {r['mlp']}, {r['heads']}, {'tied' if r['tied'] else 'untied'} "
+                     f"| {r['prompt_tokens']} | {r['worst_error_over_tolerance']:.3f} | {'PASS' if r['passed'] else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--presets", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--no-long-prompt", action="store_true")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per check")
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    from nanoqwen.random_model import PRESETS, write_random_model
+
+    scratch = Path(tempfile.mkdtemp())
+    checks = [(p, 45) for p in args.presets] + ([] if args.no_long_prompt else [LONG_PROMPT])
+    rows, records = [], []
+    for preset, prompt_tokens in checks:
+        layers = LAYERS[preset]
+        config = PRESETS[preset]
+        if layers is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, num_layers=layers)
+        model = scratch / f"{preset}.nanoqwen"
+        if not model.exists():
+            for old in scratch.glob("*.nanoqwen"):
+                old.unlink()  # one model on disk at a time
+            write_random_model(model, config)
+        json_path = scratch / f"{preset}-{prompt_tokens}.json"
+        status, log = run_check(model, prompt_tokens, json_path, args.timeout)
+        record = json.loads(json_path.read_text()) if json_path.exists() else None
+        rows.append(row(preset, layers, prompt_tokens, record, status, log))
+        records.append(record)
+        r = rows[-1]
+        print(f"{preset:20} prompt {prompt_tokens:5}: " + (f"{r['worst_error_over_tolerance']:.3f} of the tolerance, "
+              f"{'PASS' if r['passed'] else 'FAIL'}" if "error" not in r else f"did not run ({status})"), flush=True)
+    first = next((r for r in records if r), None)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "command": "python3 tools/check_by_size.py --out results/check-by-size-h200",
+        "tolerance": first["tolerance"]["formula"] if first else None,
+        "rows": rows, "checks": records,
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(record))
+    print(markdown(record))
+    return 0 if all(r.get("passed") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

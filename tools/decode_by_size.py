@@ -1,0 +1,115 @@
+"""Decode speed at every published Qwen2.5-Coder size against its byte floor, and the 7B at long context.
+
+    python3 tools/decode_by_size.py --out results/decode-by-size-h200     # on a GPU machine
+
+Each size is a random-weight file of the published shapes (`nanoqwen.random_model` presets),
+run through `Engine.generate` as `nanoqwen bench` runs it: a 512-token prompt, then 128 greedy
+tokens, the median of `REPEATS` runs. The floor is the bytes one step must read at the run's
+mean context over the H200's read bandwidth (`nanoqwen.byte_floor`). Peak GPU memory is the
+device's used memory after the runs (the engine allocates everything at start and CuPy's pool
+keeps what prefill took) less what was used before the engine was built. Writes OUT.json
+(`{"rows": [{"model", "context", "ms_per_token", "floor_ms", "share_of_floor", "peak_gpu_bytes",
+"prefill_weights", "time_to_first_token_ms"}, ...]}` with date, GPU, commit, command) and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
+SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
+LONG_CONTEXTS = [4096, 16384]  # the 7B, prompt of this many tokens less NEW_TOKENS
+
+
+def measure(model_path: Path, prompt_tokens: int) -> dict:
+    import cupy as cp
+    import numpy as np
+
+    from nanoqwen import Engine
+    from nanoqwen.byte_floor import floor_ms
+
+    free, total = cp.cuda.runtime.memGetInfo()
+    used_before = total - free
+    engine = Engine(model_path, backend="cuda", max_context=prompt_tokens + NEW_TOKENS)
+    try:
+        ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
+        engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
+        runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
+        cp.cuda.Device().synchronize()
+        free, total = cp.cuda.runtime.memGetInfo()
+        ms = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
+        floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2)
+        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms, floor_ms=floor, share_of_floor=floor / ms,
+                    peak_gpu_bytes=int(total - free - used_before), prefill_weights=engine.backend.prefill_weights,
+                    time_to_first_token_ms=statistics.median(r.prefill_seconds for r in runs) * 1e3)
+    finally:
+        engine.close()
+
+
+def markdown(record: dict) -> str:
+    lines = [f"# Decode by model size ({record['gpu']})", "",
+             f"- date: {record['date']}; GPU: {record['gpu']}; commit: {record['commit']}",
+             f"- command: `{record['command']}`",
+             f"- protocol: random weights of the published shapes, a {PROMPT_TOKENS}-token prompt (or the context "
+             f"given), {NEW_TOKENS} greedy tokens, median of {REPEATS}; floor: the step's bytes at the mean context "
+             "over 4.49 TB/s", "",
+             "| model | context | decode ms/token | floor ms | share of floor | time to first token | peak GPU memory | prefill weights |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in record["rows"]:
+        lines.append(f"| {r['model']} | {r['context']} | {r['ms_per_token']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{100 * r['share_of_floor']:.1f}% | {r['time_to_first_token_ms']:.1f} ms | "
+                     f"{r['peak_gpu_bytes'] / 2**30:.1f} GiB | {r['prefill_weights']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
+    parser.add_argument("--long-contexts", nargs="*", type=int, default=LONG_CONTEXTS)
+    args = parser.parse_args()
+
+    import cupy as cp
+
+    from nanoqwen.random_model import PRESETS, write_random_model
+
+    scratch = Path(tempfile.mkdtemp())
+    plan = [(size, PROMPT_TOKENS) for size in args.sizes] + [("7b", c - NEW_TOKENS) for c in args.long_contexts]
+    rows = []
+    for size, prompt_tokens in plan:
+        model = scratch / f"{size}.nanoqwen"
+        if not model.exists():
+            for old in scratch.glob("*.nanoqwen"):
+                old.unlink()  # one model on disk at a time: the 32B alone is 19 GB
+            write_random_model(model, PRESETS[f"qwen2.5-coder-{size}"])
+        rows.append(dict(model=size, **measure(model, prompt_tokens)))
+        r = rows[-1]
+        print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
+              f"({100 * r['share_of_floor']:.1f}%), peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
+    # A copy of the tree without .git (a device machine) names its commit in NANOQWEN_COMMIT.
+    commit = os.environ.get("NANOQWEN_COMMIT") or subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True).stdout.strip() or "unknown"
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "commit": commit,
+        "command": "python3 tools/decode_by_size.py --out results/decode-by-size-h200",
+        "rows": rows,
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(record))
+    print(markdown(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
