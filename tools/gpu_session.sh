@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# One call on the H200 for what the GPU chapters and issues measure, each step bounded so
-# that a failure costs its own time only. Logs and JSON go under $OUT.
-#   bash tools/gpu_session.sh checks   GPU tests, 7B bench (+ transformers baseline, and again with
-#                                      prefill dequantizing per prompt),
-#                                      INT8 vs FP16 bench and tests, 7B vs transformers
-#   bash tools/gpu_session.sh book     graph tests, 7B bench for both activation paths,
-#                                      then every chapter under nbval (carry .whl: see book/running.md)
-#   bash tools/gpu_session.sh ab DIR   the 7B bench of this tree and of the tree in DIR (another commit,
-#                                      e.g. `git archive COMMIT | tar -x -C DIR`, carried), alternating,
-#                                      two runs each, then the GPU tests of this tree
+# The GPU checks and records, one mode per call on an H100/H200 machine; each step is bounded so a
+# failure costs its own time only. Logs and records go under $OUT; a summary table is printed last.
+#   bash tools/gpu_session.sh checks   the GPU tests, `nanoqwen bench` on the 7B's shapes (with the
+#                                      transformers baseline), compute-sanitizer over a whole generation
+#   bash tools/gpu_session.sh sizes    the check against transformers and the decode speed at every size
+#   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
+#                                      nbval, jupytext and their dependencies: book/running.md)
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # absolute: chapters run in chapters/
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NANOQWEN_REQUIRE_GPU=1  # absolute: chapters run in chapters/
 OUT=${OUT:-/tmp/nanoqwen-out}
 mkdir -p "$OUT"
 MODEL_7B=/tmp/qwen2.5-coder-7b-random.nanoqwen
+GPU_TESTS="tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
+           tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py"
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --noconftest -o addopts="
 status=()
 step() {  # step NAME SECONDS COMMAND...
@@ -22,39 +21,27 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name" | tee -a "$OUT/session.log"
   timeout "$seconds" "$@" 2>&1 | tee -a "$OUT/session.log"
   local rc=${PIPESTATUS[0]}
-  status+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))")
+  status+=("$(printf '%-32s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))")
 }
 
 case "${1:-checks}" in
   checks)
-    step "GPU tests" 240 $PYTEST tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
+    # shellcheck disable=SC2086
+    step "GPU tests" 260 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
-    step "bench 7B" 150 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json" --baseline
-    step "bench 7B, prefill expanding" 60 python3 -m nanoqwen bench "$MODEL_7B" --prefill-weights expand \
-      --json "$OUT/bench-7b-expand.json"
-    step "int8 vs fp16 bench" 70 python3 tools/bench_int8_vs_fp16.py --json "$OUT/int8_vs_fp16.json"
-    step "int8 tests" 45 $PYTEST tests/test_int8_path.py
-    step "7B vs transformers" 170 python3 tools/check_vs_transformers.py --model "$MODEL_7B" --steps 32 \
-      --json "$OUT/check_7b.json"
+    step "bench 7B" 200 bash -c "python3 -m nanoqwen bench '$MODEL_7B' --baseline --json '$OUT/bench-7b-h200.json' \
+      | tee '$OUT/bench-7b-h200.txt'"
+    step "sanitizers over a generation" 300 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-h200.json" \
+      --logs "$OUT/sanitizer-logs"
+    ;;
+  sizes)
+    step "check by size" 420 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200"
+    step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"
     ;;
   book)
-    step "random 7B file" 45 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
-    step "bench 7B fp16" 60 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b.json"
-    step "bench 7B int8" 60 python3 -m nanoqwen bench "$MODEL_7B" --activations int8 --json "$OUT/bench-7b-int8.json"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD NANOQWEN_REQUIRE_GPU=1
-    step "book under nbval" 280 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
-    ;;
-  ab)
-    base=${2:?usage: gpu_session.sh ab DIR}
-    step "random 7B file" 45 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
-    for run in 1 2; do
-      step "bench 7B, this tree ($run)" 75 python3 -m nanoqwen bench "$MODEL_7B" --json "$OUT/bench-7b-this-$run.json"
-      step "bench 7B, $base ($run)" 75 bash -c "cd '$base' && PYTHONPATH=\$PWD python3 -m nanoqwen bench '$MODEL_7B' \
-        --json '$OUT/bench-7b-base-$run.json'"
-    done
-    step "GPU tests" 240 $PYTEST tests/test_kernels_cuda.py tests/test_cuda_graph.py tests/test_int8_path.py \
-      tests/test_attention_cuda.py tests/test_pdl.py
+    export PYTHONPATH=/tmp/site:$PWD
+    step "book under nbval" 400 python3 -m pytest -q -p no:cacheprovider -k md --junitxml="$OUT/book-junit.xml"
     ;;
 esac
 echo "=== summary"
