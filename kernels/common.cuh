@@ -192,7 +192,7 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 // ---------------------------------------------------------------- RoPE and the KV cache slot
 // Shared by rope_write_kv (elementwise.cu) and the decode q|k|v GEMV that rotates its own rows
 // (gemv_int4.cu, gemv_int4_qkv_rope), so that both write the same bits.
-// Reference: ops_numpy.apply_rope (rotate_half: dim i pairs with i + head_dim/2).
+// Reference: reference/ops.py apply_rope (rotate_half: dim i pairs with i + head_dim/2).
 
 // cos and sin of position * inv_freq_i. The accurate sincosf at any position: its reduction of
 // large angles (up to 32768 radians here) keeps a 32-byte table in local memory, the stack frame

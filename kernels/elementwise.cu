@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 // ---------------------------------------------------------------- embedding
-// Reference: ops_numpy.embed: residual[t] = table[token_ids[t]] as fp32.
+// Reference: reference/ops.py embed: residual[t] = table[token_ids[t]] as fp32.
 // grid (T), block (EMBED_THREADS); token_ids int32 [T] (decode: the step state's token),
 // table fp16 [V, H], residual fp32 [T, H]. Ids are checked on the host (or come from argmax).
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
@@ -28,14 +28,14 @@ embed_tokens(const int* token_ids, const uint4* __restrict__ table, float4* __re
 }
 
 // ---------------------------------------------------------------- RoPE and the cache write
-// Reference: ops_numpy.apply_rope on q and k, then ops_numpy.write_kv.
+// Reference: reference/ops.py apply_rope on q and k, then reference/ops.py write_kv.
 // The fused q|k|v projection arrives in fp32, its bias already added; token t sits at position positions_base[0] + t, read from device memory
 // so the same launch serves every decode step. Query heads are rotated into q_out (fp32, for
 // attention); each KV head's rotated K and plain V go as fp16 straight into the token's page:
 // page_table[pos / 16], row pos % 16.
 // grid (T, NUM_HEADS + NUM_KV_HEADS), block (HEAD_DIM / 2): thread i rotates dims i, i + D/2.
 //   qkv          fp32 [T, QKV]
-//   inv_freq     fp32 [D/2]   (ops_numpy.rope_inv_freq, computed once on the host)
+//   inv_freq     fp32 [D/2]   (reference/ops.py rope_inv_freq, computed once on the host)
 //   page_table   int32 [pages of the sequence]
 //   kv_layer     fp16 [num_pages, 2, KVH, 16, D]   (one layer of the pool)
 //   q_out        fp32 [T, Q_DIM]
@@ -86,7 +86,7 @@ rope_write_kv(const float* qkv, const int* positions_base, const float* __restri
 }
 
 // ---------------------------------------------------------------- SwiGLU for prefill
-// Reference: ops_numpy.silu_mul. Decode fuses this into gemv_int4_gate_up_silu; prefill's GEMM
+// Reference: reference/ops.py silu_mul. Decode fuses this into gemv_int4_gate_up_silu; prefill's GEMM
 // leaves gate|up rows [T, 2 I] in fp32 and this makes h fp16 [T, I].
 // grid-stride over T * I elements
 extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)

@@ -26,8 +26,7 @@
 // warp needs for one group is then one contiguous run, and the groups of its split follow each
 // other: one stream per warp instead of 16 rows' 64-byte pieces 1.75-9.25 KB apart, as the file's
 // row-major order gives. The scales (3% of the bytes) keep the file's row-major [rows][groups]:
-// tiled as well, they made the decode step slower and more sensitive to the ring depths
-// (results/gemv-lab-h200.md, session 5).
+// a warp's scales for a group are 32 bytes, which L1 serves from lines fetched ahead (below).
 //
 // Thread layout inside a warp (the mma fragment layout): lane = 4 g + t. Lane (g, t) multiplies
 // rows g and g + 8 of its tile, and in each group the t-th 16-byte piece of each (32 weights:
@@ -45,9 +44,8 @@
 // give every SM enough bytes in flight. So the input groups are cut into `splits` ranges, and a
 // block of `splits` warps takes one tile, one range per warp; the warps add their sums in split
 // order through shared memory, and the block writes each row once, in fp32. No atomics: the
-// result is deterministic. Until session 7 each warp was a block of its own that wrote a partial
-// sum, and the next kernel (add_rmsnorm, rope_write_kv) added the 7 or 10 partials from L2: on
-// the decode step's critical path, and in round trips one after another.
+// result is deterministic, and the next kernel reads one finished vector instead of adding
+// partial sums from L2 on the decode step's critical path.
 #include "common.cuh"
 
 constexpr int TILE_ROWS = 16;  // rows of a weight tile (nanoqwen/quant.py, tile_int4, lays them out)
@@ -57,14 +55,13 @@ constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps
 NQ_EXPORT_INT(SPLIT_K_MAX_WARPS)
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
-// group), one depth per kernel. The best depths were found inside the decode step, where each
-// GEMV fills its ring while the kernel before it still runs, not in isolation
-// (tools/sweep_gemv_stages.py), and together with each kernel's shared-memory carve-out
-// (backend_cuda.GEMV_CARVEOUT_PERCENT): the two decide how many blocks an SM holds, and so how
-// the blocks spread over the SMs. down_proj's 224 blocks of 10 warps run fastest with 6 groups in
-// flight per warp at the full carve-out (two blocks per SM; session 8). q|k|v and o, whose warps
-// have at most 3 groups each (backend_cuda.CHAIN_GEMV_GROUPS_PER_SPLIT), run 3 deep: two groups
-// asked for before the wait, and three blocks of 10 warps per SM at half the carve-out (session 13).
+// group), one depth per kernel. A depth matters inside the decode step, where each GEMV fills its
+// ring while the kernel before it still runs, and together with the kernel's shared-memory
+// carve-out (nanoqwen/cuda/plan.py, GEMV_CARVEOUT_PERCENT) it decides how many blocks an SM
+// holds, and so how the blocks spread over the SMs: down_proj's 224 blocks of 10 warps keep 6
+// groups in flight per warp, two blocks per SM at the full carve-out; q|k|v and o, whose warps
+// have at most 3 groups each (plan.CHAIN_GEMV_GROUPS_PER_SPLIT), run 3 deep, three blocks of 10
+// warps per SM at half the carve-out.
 #ifndef NQ_GATE_UP_STAGES
 #define NQ_GATE_UP_STAGES 4
 #endif
@@ -176,26 +173,20 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // - STAGED: from shared memory, where the caller copied its tiles' scales before the wait
 //   (stage_scales); `tile_scales` holds them as [TILES][16 rows][GROUPS], rows g and g + 8 (or the
 //   last row, where a tile runs past the end) at scale_rows. gate+up, whose warps cover many
-//   groups, reads them so: loaded from global memory instead (below), ncu counted 23% more L2
-//   sectors than the kernel's bytes and a third of the warps' stall cycles waiting on them.
+//   groups, reads them so: from global memory (below) its many groups' scale loads cost L2
+//   sectors beyond the kernel's bytes and stall the warps on them.
 // - otherwise from global memory (`scales`, row-major [rows][GROUPS]): each lane loads its rows'
 //   raw fp16 into a register ring the same STAGES - 1 groups ahead and converts them where they
 //   are used (a conversion at the load would stall the warp on it), and the prologue asks L1 to
 //   fetch every 128-byte line of scales the warp will need, so those loads hit. The split-K warps
-//   take few groups each, and staging a down_proj tile's 4.7 KB of scales cost their blocks the
-//   shared memory to fit two to an SM (decode step 1.71 -> 1.86 ms, session 7).
-// The loop is unrolled by STAGES because register arrays need compile-time indices.
-//
-// What the H200 said (results/gemv-lab-h200.md): with x loaded from global memory at the top of
-// every group and each scale converted as it was loaded, a warp spent ~1300 cycles per group even
-// with no weights loaded at all (session 4). With the row-major weights a deeper ring (8) won
-// inside the decode step, because it is filled before wait_for_previous_kernel() while the kernel
-// in front still runs; with the tiled weights the step was fastest with 6 slots for gate+up and 4
-// for the split-K GEMVs (session 5), with two warps per gate+up tile 4 for all (session 7), and
-// timed one kernel at a time, 6 for down_proj's (session 8).
+//   take few groups each, and staging a down_proj tile's 4.7 KB of scales would cost their blocks
+//   the shared memory to fit two to an SM.
+// The loop is unrolled by STAGES because register arrays need compile-time indices. x comes
+// through the ring too, and each scale is converted where it is used: loaded from global memory
+// at the top of every group, or converted at its load, either would stall the warp once per group.
 // With AHEAD (q|k|v and o, whose warps take at most 3 groups each), a range that fits the ring is
 // requested whole before the wait and no slot is refilled: nothing of the weights is left to ask
-// for once x has arrived (3.5 us per decode step on an H200, session 13).
+// for once x has arrived.
 // `ring` is this warp's own.
 template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
@@ -416,7 +407,7 @@ NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERM
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
 // and rope_write_kv (elementwise.cu) do one after the other, in one kernel.
-// Reference: ops_numpy.apply_rope on q and k of int4_linear(x, qkv), then ops_numpy.write_kv.
+// Reference: reference/ops.py, apply_rope on q and k of int4_linear(x, qkv), then write_kv.
 //
 // RoPE rotates dim i of a head with dim i + head_dim/2, which a tile of 16 consecutive rows never
 // holds together. So this kernel's blocks take their 16 rows in another order: block b covers 8
@@ -484,16 +475,12 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
 }
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
-// Reference: ops_numpy.silu_mul(int4_linear(x, gate), int4_linear(x, up)).
+// Reference: reference/ops.py, silu_mul(int4_linear(x, gate), int4_linear(x, up)).
 // qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]). Block `tile` takes the
 // same 16 rows of both; its `splits` warps (blockDim.x / 32) split the input groups as the split-K
 // GEMVs do and add their sums in split order, and its first 16 threads apply silu to the finished
-// sums. One warp per tile issues too few instructions to keep its bytes moving: ncu measured 2.2
-// warps per scheduler, each issuing every 5 cycles, at 64% of the DRAM bandwidth (session 7).
-// A row-coalesced form of this kernel (each warp load 512 contiguous bytes of one row, the MMA's
-// diagonal holding 8 groups) timed within a microsecond of the row-major 16-row form in
-// isolation, either way round over three A/B runs on an H200, and made the whole decode step
-// under programmatic dependent launch 0.2 ms slower (results/gemv-lab-h200.md, session 3).
+// sums. One warp per tile issues too few instructions to keep its bytes moving, hence two
+// (plan.GATE_UP_SPLITS).
 // grid (ceil(I / 16)), block (32 splits, splits <= GATE_UP_MAX_SPLITS), splits rings of shared
 // memory; h fp16 [I]
 constexpr int GATE_UP_MAX_SPLITS = 4;  // warps of a gate+up block

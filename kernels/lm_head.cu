@@ -1,6 +1,6 @@
 // lm_head.cu: logits = W x with W fp16 [V, H], x fp16 [H]; then the next token, chosen on device.
 //
-// Reference: ops_numpy.fp16_linear (fp32 products and sums), and nanoqwen.sampling.sample for
+// Reference: reference/ops.py fp16_linear (fp32 products and sums), and nanoqwen.sampling.sample for
 // the choice (numpy.argmax when greedy).
 //
 // At V = 152064 and H = 3584 the matrix is 1.09 GB, a quarter of every decoded token's bytes,
@@ -88,9 +88,9 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
 //   both set (prefill's lm_head passes null: the host chooses from its logits)
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
 // pointer and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
-// Three blocks per SM (24 warps, each with a row in flight) fit at 80 registers a thread; the
-// sampler's float64 arithmetic took ptxas to 86 and the grid to two blocks per SM, which cost
-// greedy decode about 5 us per token on an H200 (results/sampled-decode-device-h200.md).
+// Three blocks per SM (24 warps, each with a row in flight) fit at 80 registers a thread
+// (__launch_bounds__ holds ptxas to it): the sampler's float64 noise must not cost greedy decode
+// a block per SM.
 extern "C" __global__ void __launch_bounds__(LM_THREADS, 3)
 lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
                float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,

@@ -4,13 +4,11 @@
 // still to land from the copy engine (cp.async.bulk): its current phase completes when both reach
 // zero, and a waiter spins on the parity of the phase it expects. Named barriers (bar.sync /
 // bar.arrive) are the hardware's 16 per-block barriers for a subset of the block's warps.
-// kernels/paged_attention.cu builds its producer/consumer ring from these;
-// tools/sanitizer_probe.cu runs each mechanism alone under compute-sanitizer.
+// kernels/paged_attention.cu builds its producer/consumer ring from these, and
+// tools/gpu_check_attention.py runs it under compute-sanitizer (results/attention-h200.md).
 //
 // The includer declares `unsigned smem_address(const void*)` first, the 32-bit shared-memory
-// address of a generic pointer: the engine spells it in PTX, the probe with the CUDA intrinsic,
-// and ptxas schedules the two differently, so each keeps the machine code that was checked on
-// the GPU (results/sanitizer-probe-h200.md, results/attention-h200.md).
+// address of a generic pointer (the attention kernels spell it in PTX).
 #pragma once
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {

@@ -9,8 +9,7 @@
 //
 // `delta` is a projection's output: prefill's GEMM, or a decode GEMV, which adds its split-K
 // pieces itself (gemv_int4.cu). The first layer passes none (null): its residual is the
-// embedding. Until session 7 decode's GEMVs left one partial sum per split, and this kernel
-// added the ten of down_proj (143 KB) first.
+// embedding.
 //
 // Decode has one row, and one block reading it keeps a single SM busy while the rest of the
 // GPU waits: `add_rmsnorm_cluster` spreads the row over a cluster of RMS_CLUSTER blocks on as

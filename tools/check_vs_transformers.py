@@ -1,8 +1,8 @@
-"""The nanoqwen engine against transformers' Qwen2ForCausalLM, at any model's shapes (issue 9).
+"""The nanoqwen engine against transformers' Qwen2ForCausalLM, at any model's shapes.
 
     export PYTHONUNBUFFERED=1
     python -m nanoqwen.random_model /tmp/qwen7b.nanoqwen --preset qwen2.5-coder-7b
-    PYTHONPATH=. python3 tools/check_vs_transformers.py --model /tmp/qwen7b.nanoqwen --steps 32 \
+    python3 tools/check_vs_transformers.py --model /tmp/qwen7b.nanoqwen --steps 32 \
         --json "$OUT/check_7b.json"
     # on a CPU, with a small model: --backend numpy --device cpu
 

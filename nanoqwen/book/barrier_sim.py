@@ -27,7 +27,7 @@ The model follows the hardware rules the kernel relies on:
   model reports any release that breaks that rule;
 * a **warp barrier** (`__syncwarp`) releases when every lane group of one warp has arrived.
 
-A consumer warp is two actors, lane 0 and lanes 1-31, because the old hand-off let lane 0
+A consumer warp is two actors, lane 0 and lanes 1-31, because the broken hand-off lets lane 0
 alone tell the producer that a stage is free: without a warp barrier first, the other lanes
 may still be reading it. Every read records whether it saw the page it expected; a stale read
 is the bug.
