@@ -12,25 +12,26 @@ cache), so no launch finds its matrix in L2 and no launch waits for the host. Th
 launch therefore includes the ~1 µs gap between consecutive kernels of a graph, as in the
 engine's captured decode step. Random weights, never zeros.
 
-`--l2-probe` adds one question about the two big GEMVs: held up by DRAM or inside the SM? It
-times each over a share of its row tiles, streaming its weights from DRAM, and again reading one
-copy that stays in L2.
+Each GEMV is launched as the engine launches it (nanoqwen.cuda.plan: its split-K factor, ring
+and carve-out); RMSNorm in decode's form (one row over a cluster of blocks) and prefill's (one
+block per row).
 
-    PYTHONPATH=. python3 tools/bench_kernels.py --out results/bench.md [--sweep] [--l2-probe]
+    python3 tools/bench_kernels.py --out results/kernels-h200.md --json results/kernels-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 from pathlib import Path
 
 import numpy as np
 
 from nanoqwen.cuda import build
-from nanoqwen.cuda.abi import LM_HEAD_THREADS
-from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks
-from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_STAGES_MACROS, block_threads, gemv_launch, gemv_splits
+from nanoqwen.cuda.abi import LM_HEAD_THREADS, RMS_CLUSTER
+from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks, set_carveout
+from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, block_threads, gemv_launch, projection_splits
 from nanoqwen.cuda.sampler import sampler_settings
 from nanoqwen.quant import tile_int4
 from nanoqwen.sampling import SamplingParams
@@ -38,6 +39,7 @@ from nanoqwen.random_model import QWEN25_CODER_7B
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10
+COMMAND = "python3 tools/bench_kernels.py --out results/kernels-h200.md --json results/kernels-h200.json"
 COPY_BYTES = 2 * 2**30
 BYTE_FLOORS = (
     "INT4 GEMV N x K: packed weights N*K/2 + fp16 scales N*K/64 + x 2K + fp32 out 4N "
@@ -106,33 +108,32 @@ def random_scales(cp, shape):
     return (0.004 + 0.008 * cp.random.random(shape)).astype(cp.float16)
 
 
-def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_per_sm=None, tile_share=1,
-               resident=False):
-    """A split-K INT4 GEMV (or, for kernel gemv_int4_gate_up_silu, the fused gate+up). With
-    `tile_share` s the launch covers only the first 1/s of its row tiles (and of the bytes); with
-    `resident` every launch reads the same copy of the weights, which then stays in L2 if it fits."""
+def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, projection, n, k, bias):
+    """A split-K INT4 GEMV as the engine launches `projection` (or, for kernel gemv_int4_gate_up_silu,
+    the fused gate+up)."""
     fused = kernel == "gemv_int4_gate_up_silu"
     rows = 2 * n if fused else n
     weight_bytes = rows * k // 2 + rows * (k // 128) * 2
-    copies = 1 if resident else copies_for(weight_bytes // tile_share, l2_bytes)
+    copies = copies_for(weight_bytes, l2_bytes)
     qweights = [tile_int4(random_words(cp, (rows, k // 8)), xp=cp) for _ in range(copies)]  # the engine's layout
     scales = [random_scales(cp, (rows, k // 128)) for _ in range(copies)]
     x = (cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
     function = module.get_function(kernel)
+    set_carveout(function, GEMV_CARVEOUT_PERCENT[kernel])
     ring_bytes = fit_gemv_rings(function, module, kernel)
     if fused:
         splits, out = GATE_UP_SPLITS, cp.empty(n, dtype=cp.float16)
-        grid, block, shared_mem = gemv_launch(kernel, n // tile_share, splits, ring_bytes)
-        out_bytes = n // tile_share * 2
+        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
+        out_bytes = n * 2
 
         def launch(i):
             function(grid, block, (qweights[i], scales[i], x, out), shared_mem=shared_mem)
     else:
-        splits = gemv_splits(n, k, num_sms, **({} if warps_per_sm is None else {"warps_per_sm": warps_per_sm}))
+        splits = projection_splits(projection, n, k, num_sms)
         out = cp.empty(n, dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
-        grid, block, shared_mem = gemv_launch(kernel, n // tile_share, splits, ring_bytes)
-        out_bytes = (n * 4 + (n * 2 if bias else 0)) // tile_share
+        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
+        out_bytes = n * 4 + (n * 2 if bias else 0)
 
         def launch(i):
             function(grid, block, (qweights[i], scales[i], NULL if bias_array is None else bias_array, x, out, np.int32(n)),
@@ -142,21 +143,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, n, k, bias, warps_pe
     shape = f"{'2x' if fused else ''}{n}x{k}"
     warps = grid[0] * block[0] // 32
     return dict(name=name, shape=shape, config=f"split {splits}, {warps} warps", seconds=seconds,
-                bytes=weight_bytes // tile_share + k * 2 + out_bytes)
-
-
-def l2_probe(cp, module, l2_bytes, num_sms, config) -> list[str]:
-    """Is a big GEMV held up by DRAM or by its SMs? The same launch over a share of its tiles, its
-    weights streamed from DRAM (rotating copies) or read again from L2 (one copy, replayed): if
-    L2's shorter round trips barely help, the time goes inside the SM."""
-    h, i = config.hidden_size, config.intermediate_size
-    lines = ["| GEMV | tiles launched | weights from | median µs | MB | TB/s |", "| --- | ---: | --- | ---: | ---: | ---: |"]
-    for label, kernel, n, k in (("gate+up", "gemv_int4_gate_up_silu", i, h), ("down", "gemv_int4_from_intermediate", h, i)):
-        for share, resident in ((1, False), (2, False), (2, True), (4, True)):
-            r = bench_gemv(cp, module, l2_bytes, num_sms, label, kernel, n, k, False, tile_share=share, resident=resident)
-            lines.append(f"| {label} | 1/{share} | {'L2 (one copy)' if resident else 'DRAM (copies)'} | "
-                         f"{r['seconds'] * 1e6:.2f} | {r['bytes'] / 1e6:.1f} | {r['bytes'] / r['seconds'] / 1e12:.2f} |")
-    return lines
+                bytes=weight_bytes + k * 2 + out_bytes)
 
 
 def bench_lm_head(cp, module, num_sms, config, temperature: float = 0.0):
@@ -181,7 +168,9 @@ def bench_lm_head(cp, module, num_sms, config, temperature: float = 0.0):
                 seconds=seconds, bytes=v * h * 2 + h * 2 + v * 4 + blocks * 8)
 
 
-def bench_rmsnorm(cp, module, l2_bytes, config, rows):
+def bench_rmsnorm(cp, module, l2_bytes, config, rows, cluster: bool = False):
+    """add_rmsnorm over `rows` rows, one block per row, or (decode's form, `cluster`) each row over
+    a cluster of RMS_CLUSTER blocks."""
     h = config.hidden_size
     per_copy = rows * h * (4 + 4 + 2)
     copies = copies_for(per_copy, l2_bytes)
@@ -189,41 +178,22 @@ def bench_rmsnorm(cp, module, l2_bytes, config, rows):
     deltas = [cp.random.standard_normal((rows, h), dtype=cp.float32) for _ in range(copies)]
     weight = (1 + 0.1 * cp.random.standard_normal(h, dtype=cp.float32)).astype(cp.float16)
     out = cp.empty((rows, h), dtype=cp.float16)
-    function = module.get_function("add_rmsnorm")
-    threads = block_threads(config)["add_rmsnorm"]
+    name = "add_rmsnorm_cluster" if cluster else "add_rmsnorm"
+    function = module.get_function(name)
+    threads = block_threads(config)[name]
+    blocks = rows * (RMS_CLUSTER if cluster else 1)
 
     def launch(i):
-        function((rows,), (threads,), (residuals[i], deltas[i], weight, out))
+        function((blocks,), (threads,), (residuals[i], deltas[i], weight, out))
 
     seconds = median_launch_seconds(cp, launch, copies)
-    return dict(name=f"add_rmsnorm, {rows} row{'s' if rows > 1 else ''}",
-                shape=f"{rows}x{h}", config=f"{rows} blocks x {threads}", seconds=seconds,
+    form = f"each over a cluster of {RMS_CLUSTER} blocks" if cluster else "one block per row"
+    return dict(name=f"add_rmsnorm, {rows} row{'s' if rows > 1 else ''}, {form}",
+                shape=f"{rows}x{h}", config=f"{blocks} blocks x {threads}", seconds=seconds,
                 bytes=rows * h * (4 + 4 + 4 + 2) + h * 2)
 
 
-def sweep(cp, l2_bytes, num_sms, config) -> list[str]:
-    """The INT4 GEMV's two tuning knobs on the shapes that carry the bytes: the depth of the
-    copy ring (compile time) and the split-K target in warps per SM (launch time)."""
-    h, i = config.hidden_size, config.intermediate_size
-    lines = ["| ring stages | warps/SM target | gate+up us | down us | fused qkv us | o us | regs (gate+up, down) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for stages in (4, 8, 12):
-        module = build.compile_module(config,
-                                           extra_defines={macro: str(stages) for macro in GEMV_STAGES_MACROS.values()})
-        regs = (module.get_function("gemv_int4_gate_up_silu").num_regs,
-                module.get_function("gemv_int4_from_intermediate").num_regs)
-        gate_up = bench_gemv(cp, module, l2_bytes, num_sms, "", "gemv_int4_gate_up_silu", i, h, False)["seconds"]
-        for target in (8, 12, 20):
-            times = [bench_gemv(cp, module, l2_bytes, num_sms, "", kernel, n, k, bias, target)["seconds"]
-                     for kernel, n, k, bias in (("gemv_int4_from_intermediate", h, i, False),
-                                                ("gemv_int4_from_hidden", config.q_dim + 2 * config.kv_dim, h, True),
-                                                ("gemv_int4_from_q_dim", h, config.q_dim, False))]
-            lines.append(f"| {stages} | {target} | {gate_up * 1e6:.1f} | " + " | ".join(f"{t * 1e6:.1f}" for t in times)
-                         + f" | {regs} |")
-    return lines
-
-
-def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False) -> list[dict]:
+def run(out: Path | None, json_path: Path | None) -> list[dict]:
     import cupy as cp
 
     config = QWEN25_CODER_7B
@@ -236,15 +206,13 @@ def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False)
 
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_dim, config.kv_dim
     results = [
-        bench_gemv(cp, module, l2_bytes, num_sms, "q_proj (+bias)", "gemv_int4_from_hidden", q, h, True),
-        bench_gemv(cp, module, l2_bytes, num_sms, "k_proj (+bias)", "gemv_int4_from_hidden", kv, h, True),
-        bench_gemv(cp, module, l2_bytes, num_sms, "v_proj (+bias)", "gemv_int4_from_hidden", kv, h, True),
-        bench_gemv(cp, module, l2_bytes, num_sms, "fused qkv (+bias)", "gemv_int4_from_hidden", q + 2 * kv, h, True),
-        bench_gemv(cp, module, l2_bytes, num_sms, "o_proj", "gemv_int4_from_q_dim", h, q, False),
-        bench_gemv(cp, module, l2_bytes, num_sms, "gate+up, SwiGLU fused", "gemv_int4_gate_up_silu", i, h, False),
-        bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", h, i, False),
+        bench_gemv(cp, module, l2_bytes, num_sms, "q|k|v (+bias)", "gemv_int4_from_hidden", "qkv", q + 2 * kv, h, True),
+        bench_gemv(cp, module, l2_bytes, num_sms, "o_proj", "gemv_int4_from_q_dim", "o", h, q, False),
+        bench_gemv(cp, module, l2_bytes, num_sms, "gate+up, SwiGLU fused", "gemv_int4_gate_up_silu", "gate_up", i, h, False),
+        bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", "down", h, i, False),
         bench_lm_head(cp, module, num_sms, config),
         bench_lm_head(cp, module, num_sms, config, temperature=0.7),
+        bench_rmsnorm(cp, module, l2_bytes, config, 1, cluster=True),
         bench_rmsnorm(cp, module, l2_bytes, config, 1),
         bench_rmsnorm(cp, module, l2_bytes, config, 8192),
     ]
@@ -256,7 +224,7 @@ def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False)
     lines = [
         f"date: {datetime.date.today().isoformat()}; GPU: {gpu_name} ({num_sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB); "
         f"CuPy {cp.__version__}",
-        "command: PYTHONPATH=. python3 tools/bench_kernels.py" + " --sweep" * with_sweep + " --l2-probe" * with_l2_probe,
+        f"command: {COMMAND}",
         f"device-to-device copy (read + write counted): {copy / 1e12:.2f} TB/s; "
         f"read-only reference {READ_ONLY_TBPS} TB/s",
         f"median of {RUNS} replays of a CUDA graph of max({BATCH}, copies) launches, inputs rotated over >= 3x L2",
@@ -270,27 +238,23 @@ def run(out: Path | None, with_sweep: bool = False, with_l2_probe: bool = False)
             f"| {r['gbps']:.0f} | {r['of_copy']:.0%} | {r['of_read_only']:.0%} |"
         )
     lines += ["", "Byte floors (each input read once, each output written once): " + BYTE_FLOORS]
-    if with_sweep:
-        lines += ["", "INT4 GEMV tuning sweep (median us per launch, same timing):", ""]
-        lines += sweep(cp, l2_bytes, num_sms, config)
-    if with_l2_probe:
-        lines += ["", "L2 probe (same timing; a share of the row tiles, weights from DRAM or L2-resident):", ""]
-        lines += l2_probe(cp, module, l2_bytes, num_sms, config)
-    text = "\n".join(lines) + "\n"
+    text = "# Decode kernels one at a time at the 7B's shapes\n\n" + "\n".join(f"- {line}" if line and not line.startswith("|")
+                                                                         else line for line in lines) + "\n"
     print(text)
     if out is not None:
         out.write_text(text)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "gpu": gpu_name, "command": COMMAND,
+                                         "copy_bandwidth": copy, "read_only_tbps": READ_ONLY_TBPS, "rows": results}, indent=1))
     return results
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
-    parser.add_argument("--sweep", action="store_true", help="also time other ring depths and split-K targets")
-    parser.add_argument("--l2-probe", action="store_true",
-                        help="also time gate+up and down over a share of their tiles, weights from DRAM or from L2")
+    parser.add_argument("--json", type=Path, help="also write every row as JSON here")
     args = parser.parse_args(argv)
-    run(args.out, args.sweep, args.l2_probe)
+    run(args.out, args.json)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """Where the decode step's time goes, kernel by kernel, measured inside the step itself.
 
-`nanoqwen bench` times each kernel in a graph of its own launches, and tools/step_ablation.py
-what the step saves without a group of them. Neither says when, inside the real step, each
-kernel could begin its work. This compiles the kernels with -DNQ_TRACE (kernels/common.cuh):
+`nanoqwen bench` times each kernel in a graph of its own launches, which does not say when,
+inside the real step, each kernel could begin its work. This compiles the kernels with -DNQ_TRACE (kernels/common.cuh):
 thread 0 of block 0 of every kernel records the GPU's global clock when the kernel starts and
 when its programmatic-dependent-launch wait returns, i.e. when the kernel in front has finished
 and its writes are visible. The time from one kernel's wait returning to the next one's is the
@@ -13,7 +12,7 @@ kernel started is its head start: what the prologue above the wait (a GEMV's fir
 attention's barriers) could overlap.
 
     python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
-    PYTHONPATH=. python3 tools/step_timeline.py /tmp/q7b.nanoqwen --json timeline.json
+    python3 tools/step_timeline.py /tmp/q7b.nanoqwen --json results/step-timeline-h200.json
 
 The records cost each kernel two atomics and two stores in one thread, about 0.3 µs per launch
 on an H200: compare the traced step printed here with `nanoqwen bench`'s graph step.
