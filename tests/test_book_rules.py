@@ -98,8 +98,11 @@ class _CellOutputs(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.outputs: list[str] = []
         self._depth = 0  # nesting of <div>s inside the current cell_output, 0 outside
+        self._hidden = 0  # inside <style> or <script>
 
     def handle_starttag(self, tag, attrs):
+        if tag in ("style", "script"):  # a displayed Code object brings its CSS along: not output text
+            self._hidden += 1
         if tag != "div":
             return
         if self._depth:
@@ -109,11 +112,13 @@ class _CellOutputs(HTMLParser):
             self.outputs.append("")
 
     def handle_endtag(self, tag):
+        if tag in ("style", "script") and self._hidden:
+            self._hidden -= 1
         if tag == "div" and self._depth:
             self._depth -= 1
 
     def handle_data(self, data):
-        if self._depth:
+        if self._depth and not self._hidden:
             self.outputs[-1] += data
 
 
@@ -196,11 +201,14 @@ def test_the_rules_catch_what_they_should():
 
     page = ('<div class="cell docutils container"><div class="cell_input"><pre>import warnings</pre></div>'
             '<div class="cell_output docutils container"><div class="output stderr"><pre>'
-            "/tmp/venv/lib/tqdm/auto.py:21: TqdmWarning: IProgress not found</pre></div></div></div>"
+            "/tmp/venv/lib/tqdm/auto.py:21: TqdmWarning: IProgress not found</pre></div>"
+            '<div class="output text_html"><style>.gt { color: #04D } /* Generic.Traceback */</style>'
+            "<pre>def f(): pass</pre></div></div></div>"
             '<p>Prose may say Warning.</p>')
     parser = _CellOutputs()
     parser.feed(page)
-    assert len(parser.outputs) == 1 and "TqdmWarning" in parser.outputs[0] and "Prose" not in parser.outputs[0]
+    assert len(parser.outputs) == 1 and "TqdmWarning" in parser.outputs[0] and "def f()" in parser.outputs[0]
+    assert "Prose" not in parser.outputs[0] and "Generic.Traceback" not in parser.outputs[0]
     assert not BAD_OUTPUT.search("import warnings")  # cell input is not output
 
 
