@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter kernel without ipywidgets
 
 from .config import ModelConfig
 from .errors import ConfigError, CheckpointError

@@ -130,7 +130,7 @@ class Model:
     def to_cuda(self, names=None, progress: bool = True) -> dict:
         """Copy tensors to the current CUDA device with CuPy: name -> cupy.ndarray."""
         import cupy as cp
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter kernel without ipywidgets
 
         names = list(self.tensors if names is None else names)
         total = sum(self.tensors[n].nbytes for n in names)
