@@ -10,6 +10,7 @@ engine computes on it what transformers computes on the same (dequantized) weigh
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 # test_engine_numpy.py; pytest puts tests/ on sys.path, so it is reused rather than restated.
 from test_engine_numpy import tolerance  # noqa: E402
 
-CHECKPOINT = DEFAULT_MODEL.parent
+CHECKPOINT = Path(__file__).resolve().parents[1] / "tools" / "nano_coder" / "checkpoint"  # training's output
 # A prompt from no file of the training corpus, long enough to span two KV pages (16 tokens each).
 CODE_PROMPT = (
     "import os\n\n\n"
