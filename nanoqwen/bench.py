@@ -38,12 +38,14 @@ from .sampling import GREEDY
 
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
 # drawn in the decode graph; so is a top-p alone, but for the steps whose run is longer than the
-# device keeps, which the host draws (nanoqwen.cuda.backend.may_hand_back).
+# device keeps, which the host draws (nanoqwen.cuda.sampler.may_hand_back).
 SAMPLED_SETTINGS = {
     "temperature 0.7": dict(temperature=0.7),
     "temperature 0.7, top-k 40": dict(temperature=0.7, top_k=40),
     "temperature 0.7, top-k 40, top-p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
     "temperature 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95),
+    # above the 1,024 the device keeps: every step's logits go to the host, which draws
+    "temperature 0.7, top-k 2000 (drawn on the host)": dict(temperature=0.7, top_k=2000),
 }
 
 

@@ -3,9 +3,9 @@
 Every sampled draw is the Gumbel-max trick: the token whose logit plus temperature times a
 Gumbel variable is largest, with one variable per token and step. It draws from the softmax at
 that temperature exactly, needs no normalisation and no order of the tokens, and so it runs where
-the logits are: in the CUDA backend's decode graph (kernels/lm_head.cu, which also applies a
-top-k of up to 1024 tokens, a top-p among them, or a top-p alone whose run ends among the 1024
-most likely), or here on the host, over the ids that top-k and top-p keep.
+the logits are: in the CUDA backend's decode graph (kernels/lm_head.cu adds the noise to every
+logit; kernels/sampler.cu applies a top-k of up to 1024 tokens, a top-p among them, or a top-p
+alone whose run ends among the 1024 most likely, and draws), or here on the host, over the ids that top-k and top-p keep.
 
 The variables come from a counter-based generator, a hash of (seed, position, token id), not from
 a stateful one: both backends compute the same noise for the same step, a seed replays a run, and
@@ -88,7 +88,7 @@ GREEDY = SamplingParams()
 
 def _mix32(x: np.ndarray) -> np.ndarray:
     """A bijective avalanche of uint32 words (the "lowbias32" constants of C. Wellons' hash
-    prospector); kernels/lm_head.cu's mix32 is the same function."""
+    prospector); kernels/sampler.cuh's mix32 is the same function."""
     x = x ^ (x >> np.uint32(16))
     x = x * np.uint32(0x21F0AAAD)
     x = x ^ (x >> np.uint32(15))

@@ -157,7 +157,7 @@ def test_int8_activations_path_runs_in_the_graph(engines):
 
 def test_non_finite_logits_raise_in_graph_greedy_decode(engines):
     """The numpy backend raises on NaN logits; the graph's on-device argmax must not pick a token
-    silently either (kernels/lm_head.cu's status word). The lm_head row is poisoned after the
+    silently either (kernels/sampler.cu's status word). The lm_head row is poisoned after the
     prefill (whose host-side sampling would raise first) and restored afterwards."""
     cuda, _ = engines
     backend = cuda.backend

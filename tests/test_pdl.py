@@ -324,7 +324,7 @@ DECODE_KERNELS = {  # kernel -> file, every kernel a decode step can launch (Pat
     **{name: "gemv_int4.cu" for name in ("gemv_int4_from_hidden", "gemv_int4_from_q_dim",
                                           "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu")},
     "lm_head_logits": "lm_head.cu",
-    "argmax_select_next": "lm_head.cu",
+    "argmax_select_next": "sampler.cu",
     "paged_attention_decode": "paged_attention.cu",
     "paged_attention_combine": "paged_attention.cu",
     **{f"{kind}_{width}": "gemv_int4_int8.cu" for kind in ("quantize_activations_int8", "gemv_int4_int8")

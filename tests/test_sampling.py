@@ -64,7 +64,7 @@ def test_the_noise_is_standard_gumbel_and_fresh_at_every_step():
 
 
 def test_the_noise_is_pinned():
-    """kernels/lm_head.cu computes the same bits: a change here must change it too."""
+    """kernels/sampler.cuh computes the same bits: a change here must change it too."""
     np.testing.assert_allclose(gumbel_noise((1, 2), 5, [0, 1, 151_935]),
                                [0.698971611093303, 1.298440846351032, -0.05934754962130213], rtol=1e-15)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoqwen.cuda import build
-from nanoqwen.cuda.abi import LM_HEAD_THREADS, RMS_CLUSTER
+from nanoqwen.cuda.abi import ARGMAX_THREADS, LM_HEAD_THREADS, RMS_CLUSTER
 from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks, set_carveout
 from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, block_threads, gemv_launch, projection_splits
 from nanoqwen.cuda.sampler import sampler_settings
@@ -168,6 +168,26 @@ def bench_lm_head(cp, module, num_sms, config, temperature: float = 0.0):
                 seconds=seconds, bytes=v * h * 2 + h * 2 + v * 4 + blocks * 8)
 
 
+def bench_select(cp, module, config, top_k: int, top_p: float):
+    """argmax_select_next with a top-k (and top-p) at temperature 0.7 over the 7B's vocabulary of
+    logits drawn from N(0, 3^2), already in device memory as the lm_head leaves them: the device
+    sampler's three passes over the logits (which sit in L2), the sort and the draw."""
+    v = config.vocab_size
+    logits = 3 * cp.random.standard_normal(v, dtype=cp.float32)
+    best = int(cp.argmax(logits))
+    values, indices = logits[best : best + 1].copy(), cp.asarray([best], dtype=cp.int32)
+    state = cp.asarray([7, 600, 601, 0, 0], dtype=cp.int32)
+    sampler = cp.asarray(sampler_settings(SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, seed=1), v))
+    function = module.get_function("argmax_select_next")
+
+    def launch(_):
+        function((1,), (ARGMAX_THREADS,), (values, indices, np.int32(1), state, NULL, np.int32(1), logits, sampler, NULL))
+
+    seconds = median_launch_seconds(cp, launch, 1)
+    name = f"argmax_select_next, top-k {top_k}" + (f", top-p {top_p}" if top_p < 1 else "")
+    return dict(name=name, shape=f"{v} logits", config=f"1 block x {ARGMAX_THREADS}", seconds=seconds, bytes=v * 4)
+
+
 def bench_rmsnorm(cp, module, l2_bytes, config, rows, cluster: bool = False):
     """add_rmsnorm over `rows` rows, one block per row, or (decode's form, `cluster`) each row over
     a cluster of RMS_CLUSTER blocks."""
@@ -212,6 +232,9 @@ def run(out: Path | None, json_path: Path | None) -> list[dict]:
         bench_gemv(cp, module, l2_bytes, num_sms, "down_proj", "gemv_int4_from_intermediate", "down", h, i, False),
         bench_lm_head(cp, module, num_sms, config),
         bench_lm_head(cp, module, num_sms, config, temperature=0.7),
+        bench_select(cp, module, config, 40, 1.0),
+        bench_select(cp, module, config, 40, 0.95),
+        bench_select(cp, module, config, 1024, 0.95),
         bench_rmsnorm(cp, module, l2_bytes, config, 1, cluster=True),
         bench_rmsnorm(cp, module, l2_bytes, config, 1),
         bench_rmsnorm(cp, module, l2_bytes, config, 8192),

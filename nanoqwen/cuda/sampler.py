@@ -59,7 +59,7 @@ def may_hand_back(sampling: SamplingParams, vocab_size: int) -> bool:
 
 
 def sampler_settings(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
-    """kernels/lm_head.cu's SamplerSettings for `sampling`, as uint32 [8]: key0, key1, the
+    """kernels/sampler.cuh's SamplerSettings for `sampling`, as uint32 [8]: key0, key1, the
     temperature's float64 bits, top_k, nucleus_of_all, top_p's float64 bits (all zero: greedy)."""
     settings = np.zeros(8, dtype=np.uint32)
     if not sampling.greedy:
