@@ -10,8 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nanoqwen.book.int8_study import (
+    dequantized_reference,
+    error_vs_reference,
+    synthetic_activations,
+    synthetic_projection,
+)
 from nanoqwen.config import GROUP_SIZE, ModelConfig
-from nanoqwen.book.int8_study import dequantized_reference, error_vs_reference, synthetic_activations, synthetic_projection
 from nanoqwen.cuda.int8 import (
     ACT_QMAX,
     PAIR_ORDER,

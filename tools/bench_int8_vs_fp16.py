@@ -42,7 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoqwen.book.int8_study import dequantized_reference, error_vs_reference, synthetic_activations
+from nanoqwen.book.int8_study import (
+    dequantized_reference,
+    error_vs_reference,
+    synthetic_activations,
+)
 from nanoqwen.cuda.int8 import Int8Gemv, int4_int8_linear, quantize_activations_int8
 from nanoqwen.loader import Int4Linear
 from nanoqwen.quant import tile_int4
