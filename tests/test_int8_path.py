@@ -10,18 +10,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nanoqwen.book.int8_study import (
+    dequantized_reference,
+    error_vs_reference,
+    synthetic_activations,
+    synthetic_projection,
+)
 from nanoqwen.config import GROUP_SIZE, ModelConfig
 from nanoqwen.cuda.int8 import (
     ACT_QMAX,
     PAIR_ORDER,
     Int8Gemv,
-    dequantized_reference,
-    error_vs_reference,
     int4_int8_linear,
     quantize_activations_int8,
     signed_weight_bytes,
-    synthetic_activations,
-    synthetic_projection,
     to_pair_order,
 )
 from nanoqwen.loader import Int4Linear

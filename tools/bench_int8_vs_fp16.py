@@ -19,7 +19,7 @@ round's median is kept in the JSON to show the noise. Bytes per call count weigh
 activations in and results out; bandwidth is compared with a 1 GiB device-to-device copy
 (read + write counted) measured in the same run, and with the time of a graph of empty kernels
 (the launch floor). Errors are measured against the fp16 activations times the dequantized
-fp32 weights, in float64 (nanoqwen.cuda.int8.dequantized_reference), on synthetic activations
+fp32 weights, in float64 (nanoqwen.book.int8_study.dequantized_reference), on synthetic activations
 with outlier channels; Path A is also checked bit for bit against its numpy oracle.
 
 Writes the JSON to --json (default $OUT/int8_vs_fp16.json, else ./int8_vs_fp16.json) and
@@ -42,14 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoqwen.cuda.int8 import (
-    Int8Gemv,
+from nanoqwen.book.int8_study import (
     dequantized_reference,
     error_vs_reference,
-    int4_int8_linear,
-    quantize_activations_int8,
     synthetic_activations,
 )
+from nanoqwen.cuda.int8 import Int8Gemv, int4_int8_linear, quantize_activations_int8
 from nanoqwen.loader import Int4Linear
 from nanoqwen.quant import tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
@@ -123,7 +121,7 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "replays_per_round": args.replays,
         "rounds": 2,
-        "activations": "nanoqwen.cuda.int8.synthetic_activations (lognormal channel gains, 0.4% outlier channels x20, Laplace)",
+        "activations": "nanoqwen.book.int8_study.synthetic_activations (lognormal channel gains, 0.4% outlier channels x20, Laplace)",
         "weights": "uniformly random packed words (every nibble value), fp16 scales uniform in [0.004, 0.012]",
     }
     print(f"# {meta['gpu']}, {num_sms} SMs, L2 {l2_bytes >> 20} MiB, CuPy {cp.__version__}", flush=True)
