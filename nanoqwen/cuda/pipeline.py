@@ -135,8 +135,7 @@ class TokenPipeline:
         generator keeps one step queued behind the one it reads. Each step's argmax stores the new
         state head (token, position, seq_len, status) in host memory itself, row position %
         HEAD_SLOTS of `head_slots`, so the queued step writes the other row; an event after each step
-        says when its row is there. A device-to-host copy of the head after each step, between two
-        graph launches, cost about 8 us per token on two H200s (results/graph-readback-h200.md). A
+        says when its row is there: no copy runs in the stream between two graph launches. A
         consumer that stops early leaves at most one extra step computed, at a position inside the
         `steps` it asked for (the engine reserves their pages), never read.
 
