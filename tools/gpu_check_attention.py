@@ -49,12 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
-from nanoqwen.cuda.attention import (
-    BrokenPagedAttention,
-    PagedAttention,
-    random_paged_cache,
-    relative_error,
-)
+from nanoqwen.book.broken_attention import BrokenPagedAttention
+from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 
