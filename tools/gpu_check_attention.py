@@ -11,7 +11,8 @@ Sections, each independent (a failure is recorded and the next one runs):
    the sequence does not own, outputs poisoned with NaN before each launch;
 2. one CUDA graph replayed at several sequence lengths (the length lives in device memory);
 3. the broken kernel under stress: many launches on fresh data, tail pages, how often it is
-   wrong (in a subprocess with a time limit, in case the broken barrier hangs);
+   wrong (in a subprocess with a time limit, in case the broken barrier hangs), and a sample of
+   one wrong run (`broken_sample`: a few outputs of one head, broken next to fixed and numpy);
 4. compute-sanitizer synccheck / racecheck / memcheck on small launches of both kernels;
 5. timing: a device-to-device copy (the byte ceiling), decode attention per layer at 640, 8192
    and 32768 positions against the time to read that layer's K/V at copy bandwidth, and
@@ -49,12 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
-from nanoqwen.cuda.attention import (
-    BrokenPagedAttention,
-    PagedAttention,
-    random_paged_cache,
-    relative_error,
-)
+from nanoqwen.book.broken_attention import BrokenPagedAttention
+from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 
@@ -81,6 +78,10 @@ QUICK_SHAPES = ("7B 28/4 D128", "small 4/2 D64")
 QUICK_LENGTHS = (1, 15, 17, 72, 325, 640, 4096)
 QUICK_STRESS_RUNS = 20
 QUICK_SANITIZER_S = 110
+# broken_sample: the first wrong run of the broken kernel at these (shape, length) points, in order
+# (lengths with a partly filled tail page), and how many of that head's outputs it keeps.
+SAMPLE_POINTS = (("small 4/2 D64", 17), ("small 4/2 D64", 40), ("7B 28/4 D128", 4096))
+SAMPLE_VALUES = 6
 DECODE_TOL = 2e-3  # ||out - ref|| / ||ref||; fp16 output rounding alone is ~3e-4
 PREFILL_TOL = 3e-3  # probabilities enter the tensor cores as fp16
 
@@ -199,11 +200,33 @@ def check_graph(cp, results):
 # ------------------------------------------------------------------------ broken kernel
 
 
-def broken_stress(cp, runs: int) -> list[dict]:
+def wrong_run_sample(config, name, seq_len, run, kv, q, table, outs) -> dict:
+    """One wrong run of the broken kernel, for the book: the head where it is furthest from the
+    fixed kernel, its first SAMPLE_VALUES outputs from the broken kernel, the fixed one and the
+    numpy oracle (on the same pool, query and page table, copied back)."""
+    d = config.head_dim
+    pages = -(-seq_len // PAGE_SIZE)
+    pool = kv.get()[None]  # [1, P, 2, KVH, 16, D]
+    ref = ops.paged_attention(q.get().reshape(1, config.num_heads, d), pool, 0, table.get()[:pages],
+                              np.array([seq_len - 1])).reshape(config.num_heads, d)
+    broken = outs[2].get().astype(np.float32).reshape(config.num_heads, d)
+    fixed = outs[0].get().astype(np.float32).reshape(config.num_heads, d)
+    gap = np.abs(np.nan_to_num(broken - fixed, nan=np.inf)).max(axis=1)
+    head = int(np.argmax(gap))
+    values = lambda x: [float(v) for v in x[head, :SAMPLE_VALUES]]  # noqa: E731
+    return dict(shape=name, seq_len=seq_len, run=run, head=head, dims=list(range(SAMPLE_VALUES)),
+                values_broken=values(broken), values_fixed=values(fixed), values_numpy=values(ref),
+                error_broken=relative_error(broken, ref), error_fixed=relative_error(fixed, ref))
+
+
+def broken_stress(cp, runs: int, sample: dict | None = None) -> list[dict]:
     """Fixed and broken decode on the same fresh data, `runs` times per length; the fixed
     kernel (checked against the oracle above) is the reference. A second fixed kernel with a
-    different split count runs too: its disagreements would expose a race in the fixed one."""
+    different split count runs too: its disagreements would expose a race in the fixed one.
+    `sample` (a dict) receives wrong_run_sample's record of the first wrong run at the first
+    SAMPLE_POINTS entry that has one."""
     rows = []
+    samples = {}
     for name in ("7B 28/4 D128", "small 4/2 D64"):
         config = SHAPES[name]
         max_len = 4096
@@ -216,7 +239,7 @@ def broken_stress(cp, runs: int) -> list[dict]:
         for n in (1, 9, 16, 17, 40, 129, 640, 4096):
             wrong = wrong_fixed = 0
             worst = 0.0
-            for _ in range(runs):
+            for run in range(runs):
                 kv[...] = cp.random.standard_normal(kv.shape, dtype=cp.float32).astype(cp.float16)
                 q = 2.0 * cp.random.standard_normal(config.q_dim, dtype=cp.float32)
                 table = cp.random.permutation(kv.shape[0]).astype(cp.int32)
@@ -234,9 +257,15 @@ def broken_stress(cp, runs: int) -> list[dict]:
                 wrong += not err_b <= DECODE_TOL
                 wrong_fixed += not err_f <= DECODE_TOL
                 worst = max(worst, err_b)
+                if not err_b <= DECODE_TOL and (name, n) in SAMPLE_POINTS and (name, n) not in samples:
+                    samples[name, n] = wrong_run_sample(config, name, n, run, kv, q, table, outs)
             rows.append(dict(shape=name, seq_len=n, runs=runs, broken_wrong=wrong, fixed_disagree=wrong_fixed,
                              worst_broken_error=worst))
             log(f"  broken {name} len {n}: wrong {wrong}/{runs}, fixed splits disagree {wrong_fixed}/{runs}")
+    if sample is not None:
+        first = next((samples[point] for point in SAMPLE_POINTS if point in samples), None)
+        if first is not None:
+            sample.update(first)
     return rows
 
 
@@ -467,6 +496,15 @@ def write_report(results, folder: Path, stem: str, command: str):
             lines.append(f"| {r['shape']} | {r['seq_len']} | {r['runs']} | {r['broken_wrong']} | "
                          f"{r['worst_broken_error']:.2e} | {r['fixed_disagree']} |")
         lines.append("")
+    if "broken_sample" in results:
+        r = results["broken_sample"]
+        lines += [f"One wrong run of the broken kernel ({r['shape']}, {r['seq_len']} positions, run {r['run']}, "
+                  f"query head {r['head']}; relative error against numpy: broken {r['error_broken']:.2e}, "
+                  f"fixed {r['error_fixed']:.2e}):", "",
+                  "| dim | broken | fixed | numpy |", "| ---: | ---: | ---: | ---: |"]
+        for dim, b, f, n in zip(r["dims"], r["values_broken"], r["values_fixed"], r["values_numpy"]):
+            lines.append(f"| {dim} | {b:.4f} | {f:.4f} | {n:.4f} |")
+        lines.append("")
     if "sanitizer" in results:
         lines += ["## compute-sanitizer", "", "| kernel | tool | summary | exit |", "| --- | --- | --- | --- |"]
         for r in results["sanitizer"]:
@@ -527,7 +565,10 @@ def main():
         return
     folder = out_dir()
     if args.broken_stress:
-        Path(args.scratch, "broken-stress.json").write_text(json.dumps(broken_stress(cp, args.broken_stress)))
+        sample = {}
+        Path(args.scratch, "broken-stress.json").write_text(json.dumps(broken_stress(cp, args.broken_stress, sample)))
+        if sample:
+            Path(args.scratch, "broken-sample.json").write_text(json.dumps(sample))
         return
 
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -630,6 +671,8 @@ def stress_subprocess(results, runs: int = 200, timeout: int = 120):
         proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, capture_output=True, text=True)
         print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
         results["broken_stress"] = json.loads(Path(scratch, "broken-stress.json").read_text())
+        if Path(scratch, "broken-sample.json").exists():
+            results["broken_sample"] = json.loads(Path(scratch, "broken-sample.json").read_text())
     except subprocess.TimeoutExpired:
         results["failures"].append(f"broken_stress: timed out after {timeout} s (the broken kernel hung?)")
 

@@ -27,7 +27,7 @@ The model follows the hardware rules the kernel relies on:
   model reports any release that breaks that rule;
 * a **warp barrier** (`__syncwarp`) releases when every lane group of one warp has arrived.
 
-A consumer warp is two actors, lane 0 and lanes 1-31, because the broken hand-off lets lane 0
+A consumer warp is two actors, lane 0 and lanes 1-31, because a hand-off may let lane 0
 alone tell the producer that a stage is free: without a warp barrier first, the other lanes
 may still be reading it. Every read records whether it saw the page it expected; a stale read
 is the bug.
@@ -104,11 +104,11 @@ class Protocol:
 
 # The kernel: empty[s] is the named barrier 2 + s, as in kernels/paged_attention.cu.
 FIXED = Protocol("fixed")
-# The kernel's hand-off before the port to named barriers: correct on the hardware (the
-# __syncwarp orders lanes 1-31's reads before lane 0's arrival), but racecheck 2025.3 did not
-# follow that chain (results/sanitizer-probe-h200.md). Every stage was released.
+# A second mbarrier empty[s], on which lane 0 arrives after a __syncwarp: correct on the hardware
+# (the __syncwarp orders lanes 1-31's reads before lane 0's arrival), but racecheck 2025.3 does not
+# follow that chain (results/sanitizer-probe-h200.md). Every stage is released.
 LANE0_MBARRIER = Protocol("empty mbarrier, lane 0 arrives", empty="lane0", release_only_refilled=False)
-# The other hand-off racecheck accepted in tools/sanitizer_probe.py: each lane arrives itself.
+# The other hand-off racecheck accepts (results/sanitizer-probe-h200.md): each lane arrives itself.
 LANE_ARRIVALS = Protocol("empty mbarrier, every lane arrives", empty="lanes", release_only_refilled=False)
 # The bug: the synchronous kernel's one __syncthreads() moved inside the producer's branch.
 BROKEN = Protocol(
@@ -212,9 +212,9 @@ def reads_released_by_others(protocol: Protocol, num_pages: int, stages: int, co
 
     Such reads are ordered before the refill only through someone else's release: lanes
     1-31 reach lane 0's arrival through __syncwarp. The hardware (and this model) follows
-    that chain; compute-sanitizer's racecheck 2025.3 reported a WAR on exactly these reads,
-    lanes 1-31 and never lane 0, in every probe ring released that way
-    (tools/sanitizer_probe.py, results/sanitizer-probe-h200.md).
+    that chain; compute-sanitizer's racecheck 2025.3 reports a WAR on exactly these reads,
+    lanes 1-31 and never lane 0, on every small bulk-copy ring released that way
+    (results/sanitizer-probe-h200.md).
     """
     found = []
     for actor in build_programs(protocol, num_pages, stages, consumers).actors[1:]:

@@ -16,8 +16,8 @@ Shapes (H = num_heads, D = head_dim, KVH = num_kv_heads, P = pages in the pool):
 decode and the merge of the splits, with grids sized for `max_seq_len`: the launches never
 change from one step to the next, so a CUDA graph captured once replays them for every token.
 `prefill` is one tensor-core kernel. The oracle is `nanoqwen.reference.ops.paged_attention`;
-chapter 5 explains the kernels and `kernels/paged_attention_broken.cu`, the deliberately
-broken decode that `BrokenPagedAttention` builds.
+chapter 5 explains the kernels (and `kernels/paged_attention_broken.cu`, the deliberately
+broken decode that `nanoqwen.book.broken_attention.BrokenPagedAttention` builds).
 
 Nothing here imports CuPy until a kernel is built, so the planning helpers run on any machine.
 """
@@ -31,7 +31,6 @@ from . import build as cuda_build
 from .launch import StepKernel
 
 __all__ = [
-    "BrokenPagedAttention",
     "PagedAttention",
     "check_config",
     "decode_splits",
@@ -41,7 +40,6 @@ __all__ = [
 ]
 
 KERNEL_FILE = "paged_attention.cu"
-BROKEN_KERNEL_FILE = "paged_attention_broken.cu"
 DECODE_BLOCKS_PER_SM = 2  # the decode kernel's __launch_bounds__ minimum
 PREFILL_TOKENS = 16  # query rows per prefill block (kernels/paged_attention.cu PREFILL_TOKENS)
 
@@ -201,17 +199,6 @@ class PagedAttention:
         """Multiply-adds x 2 of QK^T and PV over the visible (causal) positions."""
         visible = sum(start_pos + t + 1 for t in range(num_tokens))
         return 4.0 * self.config.num_heads * self.config.head_dim * visible
-
-
-class BrokenPagedAttention(PagedAttention):
-    """The same launches with kernels/paged_attention_broken.cu's decode: a race, on purpose.
-
-    For tools/gpu_check_attention.py and chapter 5 only; the engine never builds it.
-    """
-
-    kernel_file = BROKEN_KERNEL_FILE
-    decode_kernel = "paged_attention_decode_broken"
-
 
 
 # ---------------------------------------------------------------------- checking helpers
