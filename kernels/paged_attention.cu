@@ -51,8 +51,7 @@ __device__ __forceinline__ unsigned smem_address(const void* pointer) {
   return address;
 }
 
-// mbarriers, the bulk copy and named barriers, shared with tools/sanitizer_probe.cu, which tests
-// these mechanisms one at a time.
+// mbarriers, the bulk copy and named barriers.
 #include "mbarrier.cuh"
 
 // Two floats to an fp16 pair, round to nearest even; `lo` is the first element in memory.
@@ -149,13 +148,11 @@ __device__ int paged_attention_decode_threads = DECODE_THREADS;
 // so every arrival is matched by exactly one sync: the producer skips round 0 (a fresh stage is
 // free) and a consumer releases only a stage that will be refilled.
 //
-// Why not a second mbarrier, as full[s] was: it works on the hardware, but compute-sanitizer's
-// racecheck (2025.3) does not see that ordering. It reported races between this kernel's bulk
-// copies and its consumers' reads, as on the broken kernel, and in tools/sanitizer_probe.py a WAR
-// on every ring that released its stages that way (a consumer lane's read, then the refill's
-// write), so it could not tell the fixed kernel from the broken one. bar.arrive/bar.sync are the
-// hardware barriers __syncthreads is made of, which racecheck models; the probe's
-// bulk_named_empty is this hand-off in small, the check that racecheck follows it here too.
+// Why not a second mbarrier, as full[s] is: it works on the hardware, but compute-sanitizer's
+// racecheck (2025.3) does not see that ordering: it reports a WAR on a ring that releases its
+// stages that way (a consumer lane's read, then the refill's write), so it could not tell this
+// kernel from the broken one. bar.arrive/bar.sync are the hardware barriers __syncthreads is
+// made of, which racecheck models.
 // Cost: the consumer's bar.arrive does not wait; the producer warp waits in bar.sync where its
 // lane 0 spun on the mbarrier and the other lanes waited at __syncwarp; 64 bytes of shared
 // memory fewer. The ids are in registers, so ptxas reserves all 16 named barriers; a Hopper SM

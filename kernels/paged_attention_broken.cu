@@ -10,8 +10,8 @@
 // __syncthreads() is a barrier for the whole block. Reached by the producer warp alone, it
 // does not hold the consumers back (on the hardware it opens once they have exited; CUDA calls
 // it undefined), so consumers read stages whose copies have not landed: stale shared memory,
-// from an earlier page or an earlier block. compute-sanitizer --tool synccheck reports the
-// barrier; nanoqwen/book/barrier_sim.py replays the race step by step.
+// from an earlier page or an earlier block. compute-sanitizer --tool racecheck reports the
+// hazards (results/attention-h200.md); nanoqwen/book/barrier_sim.py replays the race step by step.
 #define PA_DECODE_KERNEL paged_attention_decode_broken
 
 #define PRODUCER_WAIT_STAGE_FREE(stage, round) (void)(round) /* "the barrier below keeps the stages apart" */
