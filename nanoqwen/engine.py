@@ -79,7 +79,19 @@ class Backend(Protocol):
         """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
         back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
 
+    def verify(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray,
+               sampling: SamplingParams = GREEDY) -> list[int]:
+        """One pass over the weights for rows [token_id, *drafts] at positions position..position +
+        len(drafts) (at most MAX_DRAFTS drafts; the page table covers those positions and may end
+        there): each row writes its K/V and attends causally over the cache and the rows before it.
+        Row j's token is `sample(logits_j, sampling, position + j)`, as `decode_next` would choose
+        it at that position. Returns the chosen tokens up to and including the first that differs
+        from its draft (1..len(drafts) + 1 tokens; `nanoqwen.speculative.accepted_tokens`). A
+        backend may choose and compare on the device and bring back only the accepted tokens.
 
+        The K/V rows of rejected drafts stay in the cache, stale: the next pass starts at the
+        first position not accepted and writes its rows before attending, and no row attends past
+        its own position, so a stale row is overwritten before anything reads it."""
 
 
 @dataclass(frozen=True)

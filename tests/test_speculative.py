@@ -1,5 +1,9 @@
-"""Prompt-lookup drafting: the incremental index drafts what a scan of the context finds, and a
-verify pass accepts its chosen tokens up to the first that differs from its draft."""
+"""Speculative decoding: prompt-lookup drafts and the numpy verify pass.
+
+A verify pass multiplies several rows at once where a decode step multiplies one, so its logits
+may round differently in the last bits: a last-bit difference can move an fp16 activation by an
+ulp, as a prefill in chunks differs from one call (test_engine_numpy.py).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nanoqwen
+from nanoqwen.cli import DEFAULT_MODEL
+from nanoqwen.engine import Engine
+from nanoqwen.kvcache import PAGE_SIZE
+from nanoqwen.reference.backend import NumpyBackend
 from nanoqwen.sampling import GREEDY, SamplingParams, sample
-from nanoqwen.speculative import PromptLookup, accepted_tokens
+from nanoqwen.speculative import MAX_DRAFTS, PromptLookup, accepted_tokens
+from nanoqwen.testing import make_nanoqwen
+
+# pytest puts tests/ on sys.path: the fp16-rounding tolerance and the random models are reused.
+from test_engine_numpy import CONFIGS, tolerance  # noqa: E402
 
 
 # ---- drafting ----
@@ -85,3 +98,59 @@ def test_accepted_tokens_stop_at_the_first_disagreement():
     logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32)
     chosen = [sample(row, sampled, 17 + j) for j, row in enumerate(logits)]  # row j at position 17 + j
     assert accepted_tokens(logits, chosen[:3], sampled, 17) == chosen
+
+
+# ---- the numpy verify pass ----
+
+
+@pytest.fixture(scope="module")
+def coder():
+    return Engine(nanoqwen.load(DEFAULT_MODEL), backend="numpy")
+
+
+# test_engine_numpy's random models but the largest (gqa7-28x4, whose 7:1 grouping gqa7-7x1 has too)
+RANDOM_MODELS = ("default-gqa2", "gqa7-7x1-d128-tied", "mha-3layers-tied-theta1e6")
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative_models")
+    return {name: nanoqwen.load(make_nanoqwen(root / name, seed=CONFIGS[name][0], **CONFIGS[name][2]))
+            for name in RANDOM_MODELS}
+
+
+@pytest.mark.parametrize("which", ["nano-coder", "default-gqa2"])
+def test_verify_rows_are_decode_steps(coder, random_models, which):
+    model = coder.model if which == "nano-coder" else random_models[which]
+    backend = NumpyBackend(model, num_pages=8)
+    backend.kv_pool[...] = np.nan  # a read of a row nobody wrote shows up as NaN
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.config.vocab_size, 29)
+    rows = rng.integers(0, model.config.vocab_size, 9).tolist()  # positions 29..37 cross into page 2
+    stepped, verified = np.array([0, 1, 2], np.int32), np.array([5, 3, 7], np.int32)
+    backend.prefill(prompt, 0, stepped)
+    backend.prefill(prompt, 0, verified)
+    steps = np.array([backend.decode(token, 29 + j, stepped) for j, token in enumerate(rows)])
+    logits = backend.verify_logits(rows[0], rows[1:], 29, verified)
+    assert logits.shape == (9, model.config.vocab_size) and np.isfinite(logits).all()
+    # Not bit-identical: a [9, K] product sums in another order than [1, K], and a last-bit
+    # difference can move an fp16 activation by an ulp (measured: up to 0.012 on logits of rms 5).
+    np.testing.assert_allclose(logits, steps, rtol=0, atol=tolerance(model.config, steps))
+    # What it accepts: drafts that are decode's greedy chain are all taken, with one token more;
+    # a wrong draft ends the run with the token decode chooses there.
+    chain = [rows[0]]
+    for j in range(5):
+        chain.append(int(np.argmax(backend.decode(chain[-1], 29 + j, stepped))))
+    assert backend.verify(rows[0], chain[1:5], 29, verified) == chain[1:6]
+    wrong = (chain[3] + 1) % model.config.vocab_size
+    assert backend.verify(rows[0], [chain[1], wrong, chain[3]], 29, verified) == chain[1:3]
+
+
+def test_verify_checks_its_inputs(coder):
+    backend = coder.backend
+    with pytest.raises(ValueError, match="page table"):
+        backend.verify(1, [2, 3], PAGE_SIZE - 2, np.array([0], np.int32))  # row 16 needs a 2nd page
+    with pytest.raises(ValueError, match="at most 16 drafts"):
+        backend.verify(1, [2] * (MAX_DRAFTS + 1), 0, np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="token ids"):
+        backend.verify(1, [coder.config.vocab_size], 0, np.array([0], np.int32))
