@@ -168,6 +168,10 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) keeps every token")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass, 1 (default) keeps every token")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--speculate", type=int, default=0, metavar="N",
+                   help="draft up to N tokens per pass from the prompt and the text so far and verify them in one "
+                        "pass over the weights: the same tokens, fewer passes when the output copies the prompt "
+                        "(0, the default, is off)")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
                    help="auto (default) takes CUDA when CuPy sees a GPU")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
@@ -210,7 +214,7 @@ def _engine(args: argparse.Namespace):
 
 def _sampling(args: argparse.Namespace) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed)
+                top_p=args.top_p, seed=args.seed, speculate=args.speculate)
 
 
 def _names_a_model(argument: str) -> bool:
@@ -246,16 +250,19 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(piece.text)
                 sys.stdout.flush()
     print()
-    print(_stats_line(stream.result), file=sys.stderr)
+    print(_stats_line(stream.result, speculated=args.speculate > 0), file=sys.stderr)
     return 0
 
 
-def _stats_line(result) -> str:
-    """One line about a finished generation; the decode rate only when there were decode steps."""
+def _stats_line(result, speculated: bool = False) -> str:
+    """One line about a finished generation; the decode rate only when there were decode steps, and
+    after a speculative one the tokens each pass over the weights made."""
     rate = result.decode_tokens_per_second
     decode = f"decode {rate:.1f} tokens/s" if rate == rate else "no decode steps"  # NaN: prefill chose every token
+    per_pass = (f", {result.tokens_per_pass:.1f} tokens per pass over the weights"
+                if speculated and result.decode_passes else "")
     return (f"[{len(result.token_ids)} tokens, finished by {result.finish_reason}; prompt {len(result.prompt_token_ids)} "
-            f"tokens in {result.prefill_seconds * 1e3:.1f} ms; {decode} on {result.backend}"
+            f"tokens in {result.prefill_seconds * 1e3:.1f} ms; {decode} on {result.backend}{per_pass}"
             + (f"; --seed {result.seed} replays it" if result.seed is not None else "") + "]")
 
 

@@ -10,6 +10,10 @@ whole prompt in one call (its K/V go into the pages, its last logits pick the fi
 token), then *decode* one token per call, each reading the cache the earlier calls wrote.
 Pages are reserved up front so that the decode loop never allocates: every step is the same
 work on the same buffers, which is what lets the CUDA backend replay one captured graph.
+
+With `speculate=N` a decode pass may make several tokens: it drafts up to N from the prompt and
+the tokens so far (`nanoqwen.speculative`) and the backend's `verify` checks them all in one pass
+over the weights. The tokens are those plain decoding makes, in fewer passes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .errors import (
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
 from .sampling import GREEDY, SamplingParams, sample
+from .speculative import MAX_DRAFTS, PromptLookup
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
@@ -79,7 +84,19 @@ class Backend(Protocol):
         """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
         back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
 
+    def verify(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray,
+               sampling: SamplingParams = GREEDY) -> list[int]:
+        """One pass over the weights for rows [token_id, *drafts] at positions position..position +
+        len(drafts) (at most MAX_DRAFTS drafts; the page table covers those positions and may end
+        there): each row writes its K/V and attends causally over the cache and the rows before it.
+        Row j's token is `sample(logits_j, sampling, position + j)`, as `decode_next` would choose
+        it at that position. Returns the chosen tokens up to and including the first that differs
+        from its draft (1..len(drafts) + 1 tokens; `nanoqwen.speculative.accepted_tokens`). A
+        backend may choose and compare on the device and bring back only the accepted tokens.
 
+        The K/V rows of rejected drafts stay in the cache, stale: the next pass starts at the
+        first position not accepted and writes its rows before attending, and no row attends past
+        its own position, so a stale row is overwritten before anything reads it."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +121,23 @@ class GenerationResult:
     decode_seconds: float  # every later token
     backend: str
     seed: int | None = None  # the seed that replays a sampled run (drawn at random when none was given)
+    decode_passes: int = 0  # passes over the weights after prefill: decode steps and verify passes
+    drafted_tokens: int = 0  # drafts proposed to verify passes (speculate > 0)
+    accepted_drafts: int = 0  # of those, the ones the model chose too
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens chosen after prefill's: every generated token but the first, and the stop token."""
+        return len(self.token_ids) - 1 + (self.finish_reason == "stop")
 
     @property
     def decode_tokens_per_second(self) -> float:
-        steps = len(self.token_ids) - 1 + (self.finish_reason == "stop")
-        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Decode tokens per pass over the weights: 1 without speculation, up to speculate + 1."""
+        return self.decode_tokens / self.decode_passes if self.decode_passes else float("nan")
 
 
 @dataclass
@@ -117,8 +146,12 @@ class _Request:
     max_new_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
+    speculate: int  # drafts per verify pass; 0: one token per decode step
     result: GenerationResult | None = None
     generated: list[int] = field(default_factory=list)
+    decode_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
 
 
 class Stream:
@@ -281,11 +314,18 @@ class Engine:
             raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
         return [int(i) for i in array]
 
-    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix) -> _Request:
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
+                 speculate) -> _Request:
         self._check_open()
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if isinstance(speculate, bool) or not isinstance(speculate, (int, np.integer)) or not 0 <= speculate <= MAX_DRAFTS:
+            raise GenerationError(f"speculate must be an integer in 0..{MAX_DRAFTS} (drafts per pass, 0 = off), "
+                                  f"got {speculate!r}")
+        if speculate and not callable(getattr(self.backend, "verify", None)):
+            raise GenerationError(f"speculate={speculate} needs a backend with a verify pass, and the "
+                                  f"{self.backend.name} backend has none: use backend 'numpy' or speculate=0")
         if stop_token_ids is None:
             stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
         else:
@@ -300,7 +340,7 @@ class Engine:
                 f"engine's context of {self.max_context} (max_context; the model allows "
                 f"{self.config.max_position_embeddings})"
             )
-        return _Request(np.array(ids, dtype=np.int32), int(max_new_tokens), sampling, frozenset(stop_ids))
+        return _Request(np.array(ids, dtype=np.int32), int(max_new_tokens), sampling, frozenset(stop_ids), int(speculate))
 
     # ---- running it ----
 
@@ -312,25 +352,27 @@ class Engine:
             raise GenerationError(f"{e} (other generations still hold pages)") from e
         backend, sampling = self.backend, request.sampling
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        finish_reason, timings, upcoming = "length", [0.0, 0.0], None
+        finish_reason, timings, passes = "length", [0.0, 0.0], None
         try:
             self._check_open()
             start = time.perf_counter()
             token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, prompt_len - 1)
             timings[0] = time.perf_counter() - start
-            upcoming = backend.next_tokens(token, prompt_len, page_table, request.max_new_tokens - 1, sampling)
-            for step in range(request.max_new_tokens):
+            passes = self._passes(request, token, page_table)
+            pending = iter([token])  # chosen, not yet yielded: the tokens of one pass
+            while len(request.generated) < request.max_new_tokens:
+                token = next(pending, None)
+                if token is None:
+                    self._check_open()  # a stream may outlive close(); its backend is gone then
+                    start = time.perf_counter()
+                    pending = iter(next(passes))
+                    timings[1] += time.perf_counter() - start
+                    continue
                 if token in request.stop_ids:
                     finish_reason = "stop"
                     break
                 request.generated.append(token)
                 yield TokenPiece(token, decoder.push(token) if decoder else "")
-                if step + 1 == request.max_new_tokens:
-                    break
-                self._check_open()  # a stream may outlive close(); its backend is gone then
-                start = time.perf_counter()
-                token = next(upcoming)
-                timings[1] += time.perf_counter() - start
             if decoder and (rest := decoder.flush()):
                 yield TokenPiece(None, rest)
         except FloatingPointError as e:
@@ -339,8 +381,8 @@ class Engine:
                 f"check it with `nanoqwen inspect --verify {self.model.path}`"
             ) from e
         finally:
-            if upcoming is not None:
-                upcoming.close()  # before the pages go back: a step may still be queued on them
+            if passes is not None:
+                passes.close()  # before the pages go back: a step may still be queued on them
             self.allocator.free(page_table)
         request.result = GenerationResult(
             prompt_token_ids=request.prompt_ids.tolist(),
@@ -351,22 +393,61 @@ class Engine:
             decode_seconds=timings[1],
             backend=backend.name,
             seed=sampling.seed,
+            decode_passes=request.decode_passes,
+            drafted_tokens=request.drafted_tokens,
+            accepted_drafts=request.accepted_drafts,
         )
+
+    def _passes(self, request: _Request, token: int, page_table: np.ndarray) -> Iterator[list[int]]:
+        """The tokens after `token`, prefill's choice, one list per pass over the weights.
+
+        Without speculation each pass is one of `next_tokens`' steps. With it, each pass first
+        drafts from prompt + tokens so far: a draft is verified in one pass, and without one
+        the pass is a plain step. The drafts are capped so that a pass never chooses a token
+        past max_new_tokens, so no pass writes K/V past the last position plain decoding writes
+        (prompt + max_new_tokens - 2) and the request's pages cover every row. The consumer
+        closes this generator at a stop token, so drafts come from tokens of the output only.
+        """
+        backend, sampling = self.backend, request.sampling
+        position, remaining = len(request.prompt_ids), request.max_new_tokens - 1  # `token` goes in at position
+        if not request.speculate:
+            upcoming = backend.next_tokens(token, position, page_table, remaining, sampling)
+            try:
+                for token in upcoming:
+                    request.decode_passes += 1
+                    yield [token]
+            finally:
+                upcoming.close()
+            return
+        lookup = PromptLookup([*request.prompt_ids.tolist(), token])
+        while remaining > 0:
+            drafts = lookup.draft(min(request.speculate, remaining - 1))
+            if drafts:
+                tokens = backend.verify(token, drafts, position, page_table, sampling)
+            else:
+                tokens = [backend.decode_next(token, position, page_table, sampling)]
+            request.decode_passes += 1
+            request.drafted_tokens += len(drafts)
+            request.accepted_drafts += len(tokens) - 1
+            yield tokens
+            lookup.extend(tokens)
+            token, position, remaining = tokens[-1], position + len(tokens), remaining - len(tokens)
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-               chat: bool = False, fim_suffix: str | None = None) -> Stream:
+               chat: bool = False, fim_suffix: str | None = None, speculate: int = 0) -> Stream:
         """Like `generate`, but yields TokenPieces as tokens are made.
 
         Arguments are checked now, not at the first `next()`. The request's pages are freed
         when the stream ends, fails, is closed, or is dropped; `.result` is set at its end.
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
+                                speculate)
         return Stream(self._run(request), request)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-                 chat: bool = False, fim_suffix: str | None = None) -> GenerationResult:
+                 chat: bool = False, fim_suffix: str | None = None, speculate: int = 0) -> GenerationResult:
         """Run a request to the end.
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]). chat=True
@@ -374,8 +455,12 @@ class Engine:
         fill-in-the-middle prompt (the prompt is the code before the gap). temperature 0 is
         greedy; seed makes sampling reproducible. Generation stops at max_new_tokens or at a
         stop token (default: <|im_end|> and <|endoftext|>, as the tokenizer numbers them).
+        speculate=N (at most MAX_DRAFTS) drafts up to N tokens per pass by prompt lookup
+        (nanoqwen.speculative) and verifies them in one pass over the weights: the same tokens,
+        fewer passes when the output copies the prompt (GenerationResult.tokens_per_pass).
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
+                                speculate)
         for _ in self._run(request):
             pass
         return request.result

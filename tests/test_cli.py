@@ -69,6 +69,19 @@ def test_generate_sampling_chat_and_fim_flags(capsys, model_path):
     assert run(capsys, "generate", model_path, "def f(", "--fim-suffix", "):\n    pass", *common)[0] == 0
 
 
+def test_generate_speculate(capsys, monkeypatch, model_path):
+    argv = ["generate", model_path, "def add(a, b):\n    return a + b\n\n\ndef add(a, b):", "--max-new-tokens", 24,
+            "--backend", "numpy"]
+    plain = run(capsys, *argv)
+    status, stdout, stderr = run(capsys, *argv, "--speculate", 4)
+    assert status == 0 and stdout == plain[1]
+    assert re.search(r"decode [\d.]+ tokens/s on numpy, [\d.]+ tokens per pass over the weights\]", stderr)
+    assert "per pass" not in plain[2]
+    lines = iter(["def f(x):\n    return x\n\n\ndef f(x):", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert run(capsys, "chat", model_path, "--speculate", 4, "--max-new-tokens", 8, "--backend", "numpy")[0] == 0
+
+
 def test_generate_token_ids(capsys, model_path):
     status, stdout, _ = run(capsys, "generate", model_path, "1, 2 3", "--token-ids", "--max-new-tokens", 4,
                             "--backend", "numpy")
@@ -79,6 +92,7 @@ def test_generate_token_ids(capsys, model_path):
 @pytest.mark.parametrize("argv, message", [
     (["generate", "{model}", "x", "--top-p", "0"], "top_p"),
     (["generate", "{model}", "x", "--max-new-tokens", "100000"], "exceeds"),
+    (["generate", "{model}", "x", "--speculate", "17"], "speculate must be an integer in 0..16"),
     (["generate", "{model}", "x y", "--token-ids"], "must be integers"),
     (["generate", "{model}", "999999", "--token-ids"], "outside the vocabulary"),
     (["generate", "{missing}", "x"], "cannot open"),

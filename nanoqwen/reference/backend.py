@@ -8,6 +8,8 @@ bisected op by op against the same chain. It implements the backend protocol tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..config import PAGE_SIZE
@@ -15,6 +17,7 @@ from ..kvcache import check_positions, check_tokens, kv_pool_shape
 from ..loader import LayerWeights, Model
 from ..quant import dequantize_int4
 from ..sampling import GREEDY, SamplingParams, sample
+from ..speculative import MAX_DRAFTS, accepted_tokens
 from . import ops
 
 # fp32 copies of the INT4 weights cost 8x their packed size, of the fp16 lm_head 2x. Below
@@ -83,10 +86,11 @@ class NumpyBackend:
         return ops.add_rmsnorm(x, self._linear(mlp, i, "down"), next_norm, c.rms_norm_eps)
 
     def _forward(self, token_ids: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
-                 logits: bool = True) -> np.ndarray | None:
-        """Run tokens at `positions` through every layer; logits [vocab] fp32 of the last one.
+                 logit_rows: slice | None = slice(-1, None)) -> np.ndarray | None:
+        """Run tokens at `positions` through every layer; fp32 logits [rows, vocab] of `logit_rows`
+        (the last token by default, every token for a verify pass).
 
-        With logits=False only the cache is written (a prefill chunk before the last).
+        With logit_rows=None only the cache is written (a prefill chunk before the last).
         """
         c = self.config
         x = ops.embed(token_ids, self.model.embed)  # [T, H] fp32
@@ -94,9 +98,9 @@ class NumpyBackend:
         for i in range(c.num_layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < c.num_layers else self.model.final_norm
             x, h = self._layer(i, x, h, positions, page_table, next_norm)
-        if not logits:
+        if logit_rows is None:
             return None
-        return ops.fp16_linear(h[-1:], self.model.lm_head if self._lm_head_fp32 is None else self._lm_head_fp32)[0]
+        return ops.fp16_linear(h[logit_rows], self.model.lm_head if self._lm_head_fp32 is None else self._lm_head_fp32)
 
     def _check(self, token_ids, first: int, page_table) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and page table as int32, checked as the CUDA backend checks them."""
@@ -110,13 +114,13 @@ class NumpyBackend:
             chunk = token_ids[begin : begin + PREFILL_CHUNK]
             positions = np.arange(start_pos + begin, start_pos + begin + len(chunk))
             last = begin + PREFILL_CHUNK >= len(token_ids)
-            logits = self._forward(chunk, positions, page_table, logits=last)
-        return logits
+            logits = self._forward(chunk, positions, page_table, slice(-1, None) if last else None)
+        return logits[0]
 
     def decode(self, token_id: int, position: int, page_table: np.ndarray) -> np.ndarray:
         """One token at `position` (its K/V is written there); logits [vocab] fp32."""
         token_ids, page_table = self._check([token_id], position, page_table)
-        return self._forward(token_ids, np.array([position]), page_table)
+        return self._forward(token_ids, np.array([position]), page_table)[0]
 
     def decode_next(self, token_id: int, position: int, page_table: np.ndarray,
                     sampling: SamplingParams = GREEDY) -> int:
@@ -129,3 +133,16 @@ class NumpyBackend:
         for k in range(steps):
             token_id = self.decode_next(token_id, position + k, page_table, sampling)
             yield token_id
+
+    def verify_logits(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray) -> np.ndarray:
+        """Rows [token_id, *drafts] at position.. in one pass (K/V written there, each row attending
+        causally over the cache and the rows before it); fp32 logits [len(drafts) + 1, vocab]."""
+        if len(drafts) > MAX_DRAFTS:
+            raise ValueError(f"a verify pass takes at most {MAX_DRAFTS} drafts, got {len(drafts)}")
+        token_ids, page_table = self._check([token_id, *drafts], position, page_table)
+        return self._forward(token_ids, np.arange(position, position + len(token_ids)), page_table, slice(None))
+
+    def verify(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray,
+               sampling: SamplingParams = GREEDY) -> list[int]:
+        """The tokens `accepted_tokens` takes from `verify_logits`' rows (see `Backend.verify`)."""
+        return accepted_tokens(self.verify_logits(token_id, drafts, position, page_table), drafts, sampling, position)
