@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .errors import ConfigError, CheckpointError
 from .format import NanoqwenWriter
+from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
 from .safetensors_reader import SafetensorsCheckpoint
@@ -41,6 +42,21 @@ def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.n
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
+def read_config(directory: Path) -> ModelConfig:
+    """The checkpoint's config.json as a ModelConfig; CheckpointError names the file and the problem."""
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{directory}: no config.json")
+    try:
+        return ModelConfig.from_hf(parse_json(read_json_file(config_path)))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{config_path}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
+    except (JSONLimitError, ConfigError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+
+
 def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
     out = Path(out)
@@ -50,17 +66,7 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
     directory = resolve_source(source)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{directory}: no config.json")
-    try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_bytes()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from e
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{config_path}: not UTF-8 text ({e})") from e
-    except ConfigError as e:
-        raise CheckpointError(f"{config_path}: {e}") from e
+    config = read_config(directory)
     checkpoint = SafetensorsCheckpoint(directory)
 
     specs = config.tensor_specs()
