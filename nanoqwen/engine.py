@@ -10,6 +10,11 @@ whole prompt in one call (its K/V go into the pages, its last logits pick the fi
 token), then *decode* one token per call, each reading the cache the earlier calls wrote.
 Pages are reserved up front so that the decode loop never allocates: every step is the same
 work on the same buffers, which is what lets the CUDA backend replay one captured graph.
+
+Prompts are text to the model, never instructions to the tokenizer: `<|im_end|>` in a prompt,
+a chat message or a FIM suffix is encoded as the ordinary tokens that spell it, and special
+tokens come only from the chat template and the FIM markers. `allow_special_tokens=True`
+passes special-token text through as special tokens, for callers who wrote it themselves.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .errors import BackendUnavailableError, ContextLengthError, GenerationError
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
 from .sampling import GREEDY, SamplingParams, sample
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, check_unicode
 
 __all__ = [
     "Backend",
@@ -239,8 +244,13 @@ class Engine:
 
     # ---- building a request: every check happens here, before any page is taken ----
 
-    def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None) -> list[int]:
-        """Token ids for a text prompt, a list of chat messages, or token ids (checked)."""
+    def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None,
+                      allow_special_tokens: bool = False) -> list[int]:
+        """Token ids for a text prompt, a list of chat messages, or token ids (checked).
+
+        Text is encoded as text: special-token text in it stays ordinary tokens, and special
+        tokens come only from the chat template and the FIM markers, unless allow_special_tokens.
+        """
         self._check_open()
         if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
             raise GenerationError("empty conversation: chat needs at least one message")
@@ -249,16 +259,21 @@ class Engine:
                 raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids")
             if fim_suffix is not None and (chat or not isinstance(prompt, str)):
                 raise GenerationError("fim_suffix (fill-in-the-middle) cannot be combined with a chat prompt")
+            if isinstance(prompt, str):
+                check_unicode(prompt, "the prompt")
             if fim_suffix is not None:
                 if not isinstance(fim_suffix, str):
                     raise GenerationError(f"fim_suffix must be a string, got {type(fim_suffix).__name__}")
-                text = self.tokenizer.fim_prompt(prompt, fim_suffix)
+                check_unicode(fim_suffix, "fim_suffix")
+                ids = self.tokenizer.fim_token_ids(prompt, fim_suffix, allow_special_tokens)
             elif chat or not isinstance(prompt, str):
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                text = self.tokenizer.chat_prompt(messages)
+                ids = self.tokenizer.chat_token_ids(messages, allow_special_tokens=allow_special_tokens)
+            elif allow_special_tokens:
+                ids = self.tokenizer.encode(prompt)
             else:
-                text = prompt
-            ids = self._check_token_ids(self.tokenizer.encode(text), "the encoded prompt")
+                ids = self.tokenizer.encode_literal(prompt)
+            ids = self._check_token_ids(ids, "the encoded prompt")
         else:
             if chat or fim_suffix is not None:
                 raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
@@ -276,7 +291,8 @@ class Engine:
             raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
         return [int(i) for i in array]
 
-    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix) -> _Request:
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
+                 allow_special_tokens) -> _Request:
         self._check_open()
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -287,7 +303,7 @@ class Engine:
             if isinstance(stop_token_ids, (int, np.integer)):
                 stop_token_ids = [stop_token_ids]
             stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids")
-        ids = self.encode_prompt(prompt, chat, fim_suffix)
+        ids = self.encode_prompt(prompt, chat, fim_suffix, allow_special_tokens)
         total = len(ids) + int(max_new_tokens)
         if total > self.max_context:
             raise ContextLengthError(
@@ -350,18 +366,19 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-               chat: bool = False, fim_suffix: str | None = None) -> Stream:
+               chat: bool = False, fim_suffix: str | None = None, allow_special_tokens: bool = False) -> Stream:
         """Like `generate`, but yields TokenPieces as tokens are made.
 
         Arguments are checked now, not at the first `next()`. The request's pages are freed
         when the stream ends, fails, is closed, or is dropped; `.result` is set at its end.
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
+                                fim_suffix, allow_special_tokens)
         return Stream(self._run(request), request)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-                 chat: bool = False, fim_suffix: str | None = None) -> GenerationResult:
+                 chat: bool = False, fim_suffix: str | None = None, allow_special_tokens: bool = False) -> GenerationResult:
         """Run a request to the end.
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]). chat=True
@@ -369,8 +386,11 @@ class Engine:
         fill-in-the-middle prompt (the prompt is the code before the gap). temperature 0 is
         greedy; seed makes sampling reproducible. Generation stops at max_new_tokens or at a
         stop token (default: <|im_end|> and <|endoftext|>, as the tokenizer numbers them).
+        Text is encoded as text; allow_special_tokens=True lets special-token text in the prompt,
+        the messages or fim_suffix act as special tokens (and lets messages carry other keys).
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix)
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
+                                fim_suffix, allow_special_tokens)
         for _ in self._run(request):
             pass
         return request.result

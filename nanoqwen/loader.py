@@ -32,6 +32,7 @@ from .format import (
     VERSION,
     header_checksum,
 )
+from .jsonlimits import MAX_JSON_BYTES
 
 TOKENIZER_PREFIX = "tokenizer/"
 
@@ -271,6 +272,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
     for name, (code, shape, _) in tensors.items():
         if name not in expected and not (name.startswith(TOKENIZER_PREFIX) and DTYPE_NAMES[code] == "u8" and len(shape) == 1):
             raise fail(f"unexpected tensor {name!r}")
+        if name.startswith(TOKENIZER_PREFIX) and shape[0] > MAX_JSON_BYTES:  # read whole below, parsed by Engine
+            raise fail(f"tokenizer blob {name!r} holds {shape[0]:,} bytes, more than the {MAX_JSON_BYTES:,} a tokenizer file may")
 
     # The tokenizer blobs are small (a few MB for Qwen) and parsed at every load, so their
     # CRC-32 is checked every time: a flipped byte is a format error, not a parser's error.

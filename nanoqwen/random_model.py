@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
+from .tokenizer import TOKENIZER_FILES
 
 QWEN25_CODER_7B = ModelConfig(
     num_layers=28,
@@ -39,7 +40,6 @@ QWEN25_CODER_7B = ModelConfig(
 )
 PRESETS = {"qwen2.5-coder-7b": QWEN25_CODER_7B}
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Trained linear weights have a standard deviation near 0.02; the largest of 128 such values
 # is ~2.7 sigma, so a group's scale max|w| / 7 sits near 0.008.
 TYPICAL_SCALE = 0.008
