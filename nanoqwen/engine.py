@@ -11,6 +11,15 @@ token), then *decode* one token per call, each reading the cache the earlier cal
 Pages are reserved up front so that the decode loop never allocates: every step is the same
 work on the same buffers, which is what lets the CUDA backend replay one captured graph.
 
+Threads: one Engine may serve several. Every backend call (a prefill, a decode step) and every
+page taken or returned holds the engine's lock, so calls never overlap; `generate` holds it for
+its whole request, so concurrent `generate` calls run one after the other, while streams (of one
+thread or of several) take turns step by step. A backend may keep work queued between the steps
+of one request (the CUDA backend runs one step ahead); when another request runs in between,
+that queue is dropped and the request resumes from its last token, computing the same tokens.
+`close()` takes the lock too: a request running elsewhere stops at its next step with
+GenerationError("engine is closed").
+
 Prompts are text to the model, never instructions to the tokenizer: `<|im_end|>` in a prompt,
 a chat message or a FIM suffix is encoded as the ordinary tokens that spell it, and special
 tokens come only from the chat template and the FIM markers. `allow_special_tokens=True`
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +129,7 @@ class _Request:
     stop_ids: frozenset[int]
     result: GenerationResult | None = None
     generated: list[int] = field(default_factory=list)
+    upcoming: Iterator[int] | None = None  # the backend's next_tokens for this request, while it owns the backend
 
 
 class Stream:
@@ -208,10 +219,19 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
 
 
 class Engine:
+    """Runs requests on one model: `generate` (to the end) and `stream` (TokenPiece by piece).
+
+    Thread-safe: requests from several threads serialize on the engine's lock, `generate` per
+    request and streams per step (see the module docstring); `close()` waits for the step in
+    progress and makes every running request end with GenerationError("engine is closed").
+    """
+
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,
                  activations: str = "fp16", prefill_weights: str = "auto"):
         self._owns_model = not isinstance(model_or_path, Model)
         self._closed = False
+        self._lock = threading.RLock()  # re-entered by generate's steps and by close() inside a stream
+        self._owner: _Request | None = None  # the request whose queued backend work is live
         self.backend = None
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
@@ -313,23 +333,50 @@ class Engine:
             )
         return _Request(np.array(ids, dtype=np.int32), int(max_new_tokens), sampling, frozenset(stop_ids))
 
-    # ---- running it ----
+    # ---- running it: every touch of the backend or the pages holds self._lock ----
+
+    def _take_backend(self, request: _Request) -> None:
+        """Make `request` the one whose queued backend work is live, dropping another's: that one
+        starts its backend generator again from its last token at its next step."""
+        owner = self._owner
+        if owner is not None and owner is not request and owner.upcoming is not None:
+            owner.upcoming.close()
+            owner.upcoming = None
+        self._owner = request
+
+    def _release_backend(self, request: _Request) -> None:
+        if request.upcoming is not None:
+            request.upcoming.close()  # before the pages go back: a step may still be queued on them
+            request.upcoming = None
+        if self._owner is request:
+            self._owner = None
+
+    def _next_token(self, request: _Request, token: int, position: int, page_table: np.ndarray, steps_left: int) -> int:
+        """The token after `token` at `position`, from the request's backend generator (started anew
+        when another request used the backend since its last step)."""
+        if self._owner is not request or request.upcoming is None:
+            self._take_backend(request)
+            request.upcoming = self.backend.next_tokens(token, position, page_table, steps_left, request.sampling)
+        return next(request.upcoming)
 
     def _run(self, request: _Request) -> Iterator[TokenPiece]:
         prompt_len = len(request.prompt_ids)
-        try:
-            page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
-        except KVCacheFullError as e:
-            raise GenerationError(f"{e} (other generations still hold pages)") from e
-        backend, sampling = self.backend, request.sampling
-        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        finish_reason, timings, upcoming = "length", [0.0, 0.0], None
-        try:
+        with self._lock:
             self._check_open()
-            start = time.perf_counter()
-            token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, prompt_len - 1)
-            timings[0] = time.perf_counter() - start
-            upcoming = backend.next_tokens(token, prompt_len, page_table, request.max_new_tokens - 1, sampling)
+            try:
+                page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
+            except KVCacheFullError as e:
+                raise GenerationError(f"{e} (other generations still hold pages)") from e
+            backend_name = self.backend.name
+        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        finish_reason, timings = "length", [0.0, 0.0]
+        try:
+            with self._lock:
+                self._check_open()
+                self._take_backend(request)
+                start = time.perf_counter()
+                token = sample(self.backend.prefill(request.prompt_ids, 0, page_table), request.sampling, prompt_len - 1)
+                timings[0] = time.perf_counter() - start
             for step in range(request.max_new_tokens):
                 if token in request.stop_ids:
                     finish_reason = "stop"
@@ -338,10 +385,12 @@ class Engine:
                 yield TokenPiece(token, decoder.push(token) if decoder else "")
                 if step + 1 == request.max_new_tokens:
                     break
-                self._check_open()  # a stream may outlive close(); its backend is gone then
-                start = time.perf_counter()
-                token = next(upcoming)
-                timings[1] += time.perf_counter() - start
+                with self._lock:
+                    self._check_open()  # a stream may outlive close(); its backend is gone then
+                    start = time.perf_counter()
+                    token = self._next_token(request, token, prompt_len + step, page_table,
+                                             request.max_new_tokens - 1 - step)
+                    timings[1] += time.perf_counter() - start
             if decoder and (rest := decoder.flush()):
                 yield TokenPiece(None, rest)
         except FloatingPointError as e:
@@ -350,9 +399,9 @@ class Engine:
                 f"check it with `nanoqwen inspect --verify {self.model.path}`"
             ) from e
         finally:
-            if upcoming is not None:
-                upcoming.close()  # before the pages go back: a step may still be queued on them
-            self.allocator.free(page_table)
+            with self._lock:
+                self._release_backend(request)
+                self.allocator.free(page_table)
         request.result = GenerationResult(
             prompt_token_ids=request.prompt_ids.tolist(),
             token_ids=list(request.generated),
@@ -360,8 +409,8 @@ class Engine:
             finish_reason=finish_reason,
             prefill_seconds=timings[0],
             decode_seconds=timings[1],
-            backend=backend.name,
-            seed=sampling.seed,
+            backend=backend_name,
+            seed=request.sampling.seed,
         )
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
@@ -371,6 +420,8 @@ class Engine:
 
         Arguments are checked now, not at the first `next()`. The request's pages are freed
         when the stream ends, fails, is closed, or is dropped; `.result` is set at its end.
+        Streams take the engine's lock step by step, so several may run at once, from one
+        thread or many.
         """
         request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
                                 fim_suffix, allow_special_tokens)
@@ -379,7 +430,7 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
                  chat: bool = False, fim_suffix: str | None = None, allow_special_tokens: bool = False) -> GenerationResult:
-        """Run a request to the end.
+        """Run a request to the end, holding the engine's lock: other threads' requests wait for it.
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]). chat=True
         wraps a text prompt as one user message of the chat template; fim_suffix makes a
@@ -391,23 +442,26 @@ class Engine:
         """
         request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
                                 fim_suffix, allow_special_tokens)
-        for _ in self._run(request):
-            pass
+        with self._lock:
+            for _ in self._run(request):
+                pass
         return request.result
 
     def close(self) -> None:
         """Release the backend (its device memory) and, if the engine opened it, the model file.
 
-        Idempotent; afterwards every request raises GenerationError("engine is closed").
+        Idempotent. Waits for the backend call in progress in another thread, if any; afterwards
+        every request, running or new, raises GenerationError("engine is closed").
         """
-        if self._closed:
-            return
-        self._closed = True
-        backend, self.backend = self.backend, None
-        if backend is not None and callable(getattr(backend, "close", None)):
-            backend.close()
-        if self._owns_model:
-            self.model.close()
+        self._closed = True  # requests running elsewhere stop at their next step, which waits for the lock
+        with self._lock:
+            if self._owner is not None:
+                self._release_backend(self._owner)
+            backend, self.backend = self.backend, None
+            if backend is not None and callable(getattr(backend, "close", None)):
+                backend.close()
+            if self._owns_model:
+                self.model.close()
 
     def __enter__(self) -> Engine:
         return self
