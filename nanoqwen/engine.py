@@ -224,6 +224,10 @@ class Engine:
     Thread-safe: requests from several threads serialize on the engine's lock, `generate` per
     request and streams per step (see the module docstring); `close()` waits for the step in
     progress and makes every running request end with GenerationError("engine is closed").
+
+    The model file is memory-mapped: do not overwrite it in place (cp, truncate) while an engine
+    uses it, which changes its weights mid-run or kills the process with SIGBUS; renaming a new
+    file over it, as `nanoqwen convert` does, is safe.
     """
 
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,

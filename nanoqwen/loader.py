@@ -3,6 +3,12 @@
 Validation happens once, before any tensor is touched, and only with Python integers, so a
 corrupt file can never make us allocate, seek or read past its end. After that, every tensor
 is a read-only numpy view of the map: no copy, and the OS pages weights in on first touch.
+
+Because the tensors are the file's pages, a loaded file must not be changed in place while a
+Model (or an Engine) uses it: `cp` over it or a truncation changes the weights under a running
+engine, or kills it with SIGBUS when it touches a page past the new end. Replace it the way
+`nanoqwen convert` writes it, by renaming a complete new file over the old name: the old
+file's pages stay mapped until it is closed.
 """
 
 from __future__ import annotations
@@ -159,7 +165,11 @@ class Model:
 
 
 def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
-    """Memory-map and validate a .nanoqwen file. Raises NanoqwenFormatError on any defect."""
+    """Memory-map and validate a .nanoqwen file. Raises NanoqwenFormatError on any defect.
+
+    The model's tensors are views of the map: do not overwrite the file in place while it is
+    loaded (see the module docstring); renaming a new file over it is safe.
+    """
     path = Path(path)
     try:
         with open(path, "rb") as f:
