@@ -428,6 +428,13 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path / "no" / "m.nanoqwen"), "does not exist")
 
 
+def test_conversion_refusals_are_one_cli_line(capsys, checkpoint, tmp_path):
+    (checkpoint / "config.json").write_bytes(b'{"a":' * 5000 + b"1" + b"}" * 5000)
+    assert_one_line_error(cli_run(capsys, "convert", checkpoint, tmp_path / "m.nanoqwen"), "nested more than the 32 levels")
+    assert_one_line_error(cli_run(capsys, "convert", checkpoint, checkpoint / "config.json"), "lies inside the checkpoint")
+    assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
 def test_hub_download_failure_is_a_checkpoint_error(monkeypatch):
     from nanoqwen.convert import resolve_source
 

@@ -302,3 +302,45 @@ def test_cli_passes_special_tokens_only_when_allowed(engine, capsys, monkeypatch
     plain, raw = seen
     im_end = engine.tokenizer.token_id("<|im_end|>")
     assert im_end not in plain and im_end in raw
+
+
+# ---- the guard around calls into Rust ----
+
+
+def test_the_rust_call_guard_passes_interrupts_and_keeps_other_output(capfd):
+    from nanoqwen.tokenizer import _call_rust
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def warns():
+        os.write(2, b"a warning\n")
+        return 7
+
+    def fails():
+        raise Exception("bad\n input")  # what the library raises for a file it cannot use
+
+    with pytest.raises(KeyboardInterrupt):
+        _call_rust(GenerationError, interrupted)
+    assert _call_rust(GenerationError, warns) == 7
+    assert capfd.readouterr().err == "a warning\n"  # written while fd 2 was borrowed, then passed on
+    with pytest.raises(GenerationError, match="^bad input$"):  # on one line
+        _call_rust(GenerationError, fails)
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"  # fd 2 is stderr again
+
+
+@pytest.mark.parametrize("case, argv, message", [
+    ({"tokenizer_config.json": b'{"a":' * 5000 + b"1" + b"}" * 5000}, [], "nested more than the 32 levels"),
+    ({"config": {"eos_token": {"content": 5}}}, [], "eos_token must be a string"),
+    ({"config": {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"}},
+     ["--chat"], "took longer than 0.2 s to render"),
+])
+def test_crafted_blobs_are_one_cli_line_with_status_1(tmp_path, files, capsys, monkeypatch, case, argv, message):
+    from nanoqwen import cli as cli_module
+
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 0.2)
+    path = model_file(tmp_path, crafted_blobs(files, case))
+    status = cli_module.main(["generate", str(path), "hi", "--backend", "numpy", "--max-new-tokens", "2", *argv])
+    stderr = capsys.readouterr().err
+    assert status == 1 and stderr.count("\n") == 1 and message in stderr, stderr
