@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -110,10 +109,14 @@ def _scratch_fd() -> int:
 
 
 def _take_scratch(fd: int) -> bytes:
-    """What was written to the scratch file since the last call, leaving it empty."""
+    """What was written to the scratch file since the last call, leaving it empty and its offset
+    (which fd 2 shares while borrowed) at 0."""
     size = os.lseek(fd, 0, os.SEEK_END)
-    data = os.pread(fd, size, 0) if size else b""
+    if not size:  # the usual case: nothing to pass on, nothing to truncate
+        return b""
+    data = os.pread(fd, size, 0)
     os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
     return data
 
 
@@ -128,8 +131,6 @@ def _call_rust(failure: Callable[[str], Exception], function, *args):
     """
     with _STDERR_LOCK:
         scratch = _scratch_fd()
-        if sys.stderr is not None:
-            sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(scratch, 2)
         panicked = False
