@@ -131,8 +131,12 @@ def _call_rust(failure: Callable[[str], Exception], function, *args):
     """
     with _STDERR_LOCK:
         scratch = _scratch_fd()
-        saved = os.dup(2)
-        os.dup2(scratch, 2)
+        try:
+            saved = os.dup(2)
+        except OSError:  # no fd 2 at all (a daemon closed it): no stderr to keep clean
+            saved = None
+        else:
+            os.dup2(scratch, 2)
         panicked = False
         try:
             return function(*args)
@@ -144,11 +148,12 @@ def _call_rust(failure: Callable[[str], Exception], function, *args):
             panicked = True
             raise failure(f"the tokenizers library panicked: {_one_line(e)}") from None
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            written = _take_scratch(scratch)
-            if written and not panicked:
-                os.write(2, written)
+            if saved is not None:
+                os.dup2(saved, 2)
+                os.close(saved)
+                written = _take_scratch(scratch)
+                if written and not panicked:
+                    os.write(2, written)
 
 
 # ---- reading and checking the two files ----

@@ -330,6 +330,16 @@ def test_the_rust_call_guard_passes_interrupts_and_keeps_other_output(capfd):
     assert capfd.readouterr().err == "after\n"  # fd 2 is stderr again
 
 
+def test_the_rust_call_guard_works_without_a_stderr(tmp_path, files):
+    (tmp_path / "tokenizer.json").write_bytes(blobs(files)["tokenizer.json"])
+    code = ("import os, sys; from nanoqwen.tokenizer import Tokenizer; "
+            "tok = Tokenizer.from_files({'tokenizer.json': open(sys.argv[1], 'rb').read()}); os.close(2); "
+            "print(tok.encode('hello'))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tokenizer.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("["), done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("case, argv, message", [
     ({"tokenizer_config.json": b'{"a":' * 5000 + b"1" + b"}" * 5000}, [], "nested more than the 32 levels"),
     ({"config": {"eos_token": {"content": 5}}}, [], "eos_token must be a string"),
