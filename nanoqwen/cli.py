@@ -183,10 +183,17 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache capacity in tokens (default: the model's, at most 4096)")
 
 
+def _special_tokens_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="let special-token text in the input (<|im_end|>, <|fim_middle|>...) act as special tokens; "
+                        "by default it is encoded as the plain text it is")
+
+
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", help="a .nanoqwen file (default: the shipped nano-coder)")
     p.add_argument("prompt", metavar="PROMPT", help="the prompt; '-' reads it from stdin")
     _sampling_arguments(p)
+    _special_tokens_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--fim-suffix", metavar="TEXT", default=None,
                    help="fill in the middle: PROMPT is the code before the gap, TEXT the code after it")
@@ -214,7 +221,15 @@ def _engine(args: argparse.Namespace):
 
 def _sampling(args: argparse.Namespace) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, speculate=args.speculate)
+                top_p=args.top_p, seed=args.seed, speculate=args.speculate,
+                allow_special_tokens=args.allow_special_tokens)
+
+
+def _read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"PROMPT from stdin is not UTF-8 text ({e})") from None
 
 
 def _names_a_model(argument: str) -> bool:
@@ -234,7 +249,7 @@ def run_generate(args: argparse.Namespace) -> int:
         # a file name as the prompt would be a silent surprise.
         args.parser.error(f"missing PROMPT: {args.prompt!r} names a model file; "
                           f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if args.token_ids:
         try:
             prompt = [int(t) for t in prompt.replace(",", " ").split()]
@@ -273,6 +288,7 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", help="a .nanoqwen file (default: the shipped nano-coder)")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
     _sampling_arguments(p)
+    _special_tokens_argument(p)
 
 
 @subcommand("chat", "talk to a model through its chat template (/exit to leave, /reset to forget)", _chat_arguments)
@@ -294,6 +310,9 @@ def run_chat(args: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except UnicodeDecodeError as e:
+            print(f"error: that line is not UTF-8 text ({e})", file=sys.stderr)
+            continue
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":

@@ -9,7 +9,8 @@ from .errors import ConfigError
 
 GROUP_SIZE = 128  # INT4 weights share one fp16 scale per 128 input elements
 PAGE_SIZE = 16  # tokens per KV-cache page
-
+MAX_DIMENSION = 2**32 - 1  # the .nanoqwen header stores every dimension as a u32
+HIDDEN_ACT = "silu"  # the MLP every backend runs: silu(gate) * up
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ModelConfig:
             value = getattr(self, field.name)
             if field.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{field.name} must be a positive integer, got {value!r}")
+            if field.type == "int" and value > MAX_DIMENSION:
+                raise ConfigError(
+                    f"{field.name}={value} does not fit the .nanoqwen header's 32-bit field (at most {MAX_DIMENSION})"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -81,11 +86,14 @@ class ModelConfig:
         if hf.get("model_type") != "qwen2" or not isinstance(architectures, list) or "Qwen2ForCausalLM" not in architectures:
             raise ConfigError(
                 "not a Qwen2 causal LM: model_type="
-                f"{hf.get('model_type')!r}, architectures={architectures!r} "
+                f"{hf.get('model_type')!r:.80}, architectures={architectures!r:.80} "
                 "(expected model_type 'qwen2' and architecture 'Qwen2ForCausalLM')"
             )
         if hf.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported")
+        hidden_act = hf.get("hidden_act", HIDDEN_ACT)
+        if hidden_act != HIDDEN_ACT:
+            raise ConfigError(f"hidden_act is {hidden_act!r:.80}; nanoqwen runs only {HIDDEN_ACT!r} MLPs (silu(gate) * up)")
 
         def value(key: str, kinds: tuple[type, ...], what: str, default=None):
             if hf.get(key) is None:
@@ -94,24 +102,30 @@ class ModelConfig:
                 return default
             found = hf[key]
             if not isinstance(found, kinds) or (isinstance(found, bool) and bool not in kinds):
-                raise ConfigError(f"{key} must be {what}, got {found!r}")
+                raise ConfigError(f"{key} must be {what}, got {found!r:.80}")
             return found
 
         def integer(key: str, default=None) -> int:
             return value(key, (int,), "an integer", default)
 
+        def as_float(key: str, found: int | float) -> float:
+            try:
+                return float(found)
+            except OverflowError:  # a JSON integer has no size limit, a float does
+                raise ConfigError(f"{key} is too large to be a float: an integer of {len(str(found))} digits") from None
+
         def number(key: str, default=None) -> float:
-            return float(value(key, (int, float), "a number", default))
+            return as_float(key, value(key, (int, float), "a number", default))
 
         rope_parameters = value("rope_parameters", (dict,), "an object", {}) or value("rope_scaling", (dict,), "an object", {})
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-            raise ConfigError(f"rope_theta must be a number, got {rope_theta!r}")
+            raise ConfigError(f"rope_theta must be a number, got {rope_theta!r:.80}")
         rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
         if rope_type not in (None, "default"):
-            raise ConfigError(f"rope scaling {rope_type!r} is not supported")
+            raise ConfigError(f"rope scaling {rope_type!r:.80} is not supported")
         num_heads = integer("num_attention_heads")
         hidden = integer("hidden_size")
         if num_heads <= 0:
@@ -125,7 +139,7 @@ class ModelConfig:
             head_dim=integer("head_dim", hidden // num_heads),
             vocab_size=integer("vocab_size"),
             max_position_embeddings=integer("max_position_embeddings"),
-            rope_theta=float(rope_theta),
+            rope_theta=as_float("rope_theta", rope_theta),
             rms_norm_eps=number("rms_norm_eps"),
             tie_word_embeddings=value("tie_word_embeddings", (bool,), "true or false", False),
         )

@@ -1,8 +1,16 @@
-"""Convert a Hugging Face Qwen2 checkpoint into a .nanoqwen file, one tensor at a time."""
+"""Convert a Hugging Face Qwen2 checkpoint into a .nanoqwen file, one tensor at a time.
+
+Everything the engine would refuse is refused here, before a byte is written: a configuration
+it does not run (ModelConfig.from_hf), layers the configuration does not count, tensors of the
+wrong shape, a tokenizer that does not build or whose ids exceed the vocabulary, a chat template
+that does not compile. The output is written by NanoqwenWriter (a new temporary file renamed
+into place) and may not lie inside the checkpoint, whose files it would replace.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 from pathlib import Path
@@ -10,15 +18,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter kernel without ipywidgets
 
-from .config import ModelConfig
-from .errors import ConfigError, CheckpointError
+from .config import MAX_DIMENSION, ModelConfig
+from .errors import CheckpointError, ConfigError, GenerationError
 from .format import NanoqwenWriter
+from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
 from .safetensors_reader import SafetensorsCheckpoint
+from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON, Tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ROWS_PER_CHUNK = 4096  # quantize big matrices in slices so temporaries stay ~100 MB
+LAYER_TENSOR = re.compile(r"model\.layers\.([0-9]+)\.")  # [0-9]: \d matches the digits of every script
 
 
 def resolve_source(source: str) -> Path:
@@ -41,37 +51,83 @@ def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.n
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def convert(source: str, out: str | Path, progress: bool = True) -> dict:
-    """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
-    out = Path(out)
-    # Fail before minutes of quantization, not at the final rename.
+def check_out(out: Path) -> None:
+    """Fail on a bad OUT before minutes of quantization, not at the final rename."""
     if out.is_dir():
         raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
-    directory = resolve_source(source)
+
+
+def refuse_out_inside(out: Path, directory: Path) -> None:
+    """OUT may not lie in the checkpoint: the final rename would replace one of its files."""
+    if (out.parent.resolve() / out.name).is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{out}: lies inside the checkpoint {directory}, whose files it could replace; write OUT elsewhere")
+
+
+def read_config(directory: Path) -> ModelConfig:
+    """The checkpoint's config.json as a ModelConfig; CheckpointError names the file and the problem."""
     config_path = directory / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{directory}: no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_bytes()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from e
+        return ModelConfig.from_hf(parse_json(read_json_file(config_path)))
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"{config_path}: not UTF-8 text ({e})") from e
-    except ConfigError as e:
-        raise CheckpointError(f"{config_path}: {e}") from e
-    checkpoint = SafetensorsCheckpoint(directory)
+        raise CheckpointError(f"{config_path}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from None
+    except (JSONLimitError, ConfigError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
 
-    specs = config.tensor_specs()
-    entries = [(name, dtype, shape) for name, (dtype, shape) in specs.items()]
-    tokenizer_blobs = {}
-    for file_name in TOKENIZER_FILES:
-        if (directory / file_name).exists():
-            tokenizer_blobs[TOKENIZER_PREFIX + file_name] = np.frombuffer((directory / file_name).read_bytes(), np.uint8)
-    entries += [(name, "u8", blob.shape) for name, blob in tokenizer_blobs.items()]
 
-    # Check every source tensor's presence and shape before writing a byte.
+def check_layers(config: ModelConfig, checkpoint: SafetensorsCheckpoint) -> None:
+    """The checkpoint's layers are exactly 0..num_layers-1, judged from tensor names alone, so a
+    num_hidden_layers of a billion fails here, not after building a billion layers' tensor list."""
+    layers: dict[str, str] = {}  # index as written -> a tensor of that layer
+    for name in checkpoint.entries:
+        if match := LAYER_TENSOR.match(name):
+            layers.setdefault(match.group(1), name)
+    for index, name in layers.items():
+        # more digits than any u32 is no layer (and int() of a thousand digits is not cheap)
+        if len(index) > len(str(MAX_DIMENSION)) or index != str(int(index)) or int(index) >= config.num_layers:
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} belongs to no layer of the {config.num_layers} that config.json's "
+                "num_hidden_layers counts"
+            )
+    if len(layers) < config.num_layers:
+        raise CheckpointError(
+            f"config.json says num_hidden_layers={config.num_layers}, the checkpoint holds tensors of {len(layers)} layers"
+        )
+
+
+def read_tokenizer(directory: Path, vocab_size: int) -> dict[str, bytes]:
+    """The checkpoint's tokenizer files by name, once they have built a tokenizer the engine can run:
+    every id inside the model's vocabulary, a chat template that compiles."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        if path.exists():
+            try:
+                files[name] = read_json_file(path)
+            except JSONLimitError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+    tokenizer = Tokenizer.from_checkpoint_files(files, directory)
+    if tokenizer is not None:
+        if tokenizer.largest_token_id >= vocab_size:
+            raise CheckpointError(
+                f"{directory / TOKENIZER_JSON}: token id {tokenizer.largest_token_id} lies outside the model's "
+                f"vocabulary 0..{vocab_size - 1} (config.json's vocab_size)"
+            )
+        try:
+            tokenizer.compiled_template()
+        except GenerationError as e:
+            raise CheckpointError(f"{directory / TOKENIZER_CONFIG_JSON}: {e}") from None
+    return files
+
+
+def source_tensors(specs: dict, checkpoint: SafetensorsCheckpoint) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(.nanoqwen name, checkpoint name, checkpoint shape) of every tensor to read, each checked
+    for presence and shape before a byte is written."""
     sources = []
     for name, (dtype, shape) in specs.items():
         if name.endswith(".scales"):
@@ -89,6 +145,24 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
                 f"the configuration requires {list(hf_shape)}"
             )
         sources.append((name, hf_name, hf_shape))
+    return sources
+
+
+def convert(source: str, out: str | Path, progress: bool = True) -> dict:
+    """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
+    out = Path(out)
+    check_out(out)
+    directory = resolve_source(source)
+    refuse_out_inside(out, directory)
+    config = read_config(directory)
+    checkpoint = SafetensorsCheckpoint(directory)
+    check_layers(config, checkpoint)
+    specs = config.tensor_specs()
+    sources = source_tensors(specs, checkpoint)
+    tokenizer_blobs = {TOKENIZER_PREFIX + name: np.frombuffer(data, np.uint8)
+                       for name, data in read_tokenizer(directory, config.vocab_size).items()}
+    entries = [(name, dtype, shape) for name, (dtype, shape) in specs.items()]
+    entries += [(name, "u8", blob.shape) for name, blob in tokenizer_blobs.items()]
 
     total = sum(int(np.prod(s)) for _, _, s in sources)
     with NanoqwenWriter(out, config, entries) as writer:

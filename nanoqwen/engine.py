@@ -14,12 +14,27 @@ work on the same buffers, which is what lets the CUDA backend replay one capture
 With `speculate=N` a decode pass may make several tokens: it drafts up to N from the prompt and
 the tokens so far (`nanoqwen.speculative`) and the backend's `verify` checks them all in one pass
 over the weights. The tokens are those plain decoding makes, in fewer passes.
+
+Threads: one Engine may serve several. Every backend call (a prefill, a decode step) and every
+page taken or returned holds the engine's lock, so calls never overlap; `generate` holds it for
+its whole request, so concurrent `generate` calls run one after the other, while streams (of one
+thread or of several) take turns step by step. A backend may keep work queued between the steps
+of one request (the CUDA backend runs one step ahead); when another request runs in between,
+that queue is dropped and the request resumes from its last token, computing the same tokens.
+`close()` takes the lock too: a request running elsewhere stops at its next step with
+GenerationError("engine is closed").
+
+Prompts are text to the model, never instructions to the tokenizer: `<|im_end|>` in a prompt,
+a chat message or a FIM suffix is encoded as the ordinary tokens that spell it, and special
+tokens come only from the chat template and the FIM markers. `allow_special_tokens=True`
+passes special-token text through as special tokens, for callers who wrote it themselves.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +54,7 @@ from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import MAX_DRAFTS, PromptLookup
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, check_unicode
 
 __all__ = [
     "Backend",
@@ -152,6 +167,8 @@ class _Request:
     decode_passes: int = 0
     drafted_tokens: int = 0
     accepted_drafts: int = 0
+    chosen: list[int] = field(default_factory=list)  # every token chosen so far, yielded or not
+    upcoming: Iterator[list[int]] | None = None  # the passes generator (Engine._passes), while it owns the backend
 
 
 class Stream:
@@ -241,10 +258,23 @@ def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp
 
 
 class Engine:
+    """Runs requests on one model: `generate` (to the end) and `stream` (TokenPiece by piece).
+
+    Thread-safe: requests from several threads serialize on the engine's lock, `generate` per
+    request and streams per step (see the module docstring); `close()` waits for the step in
+    progress and makes every running request end with GenerationError("engine is closed").
+
+    The model file is memory-mapped: do not overwrite it in place (cp, truncate) while an engine
+    uses it, which changes its weights mid-run or kills the process with SIGBUS; renaming a new
+    file over it, as `nanoqwen convert` does, is safe.
+    """
+
     def __init__(self, model_or_path: Model | str | os.PathLike, backend: str = "auto", max_context: int | None = None,
                  activations: str = "fp16", prefill_weights: str = "auto"):
         self._owns_model = not isinstance(model_or_path, Model)
         self._closed = False
+        self._lock = threading.RLock()  # re-entered by generate's steps and by close() inside a stream
+        self._owner: _Request | None = None  # the request whose queued backend work is live
         self.backend = None
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
@@ -277,8 +307,13 @@ class Engine:
 
     # ---- building a request: every check happens here, before any page is taken ----
 
-    def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None) -> list[int]:
-        """Token ids for a text prompt, a list of chat messages, or token ids (checked)."""
+    def encode_prompt(self, prompt, chat: bool = False, fim_suffix: str | None = None,
+                      allow_special_tokens: bool = False) -> list[int]:
+        """Token ids for a text prompt, a list of chat messages, or token ids (checked).
+
+        Text is encoded as text: special-token text in it stays ordinary tokens, and special
+        tokens come only from the chat template and the FIM markers, unless allow_special_tokens.
+        """
         self._check_open()
         if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
             raise GenerationError("empty conversation: chat needs at least one message")
@@ -287,16 +322,21 @@ class Engine:
                 raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids")
             if fim_suffix is not None and (chat or not isinstance(prompt, str)):
                 raise GenerationError("fim_suffix (fill-in-the-middle) cannot be combined with a chat prompt")
+            if isinstance(prompt, str):
+                check_unicode(prompt, "the prompt")
             if fim_suffix is not None:
                 if not isinstance(fim_suffix, str):
                     raise GenerationError(f"fim_suffix must be a string, got {type(fim_suffix).__name__}")
-                text = self.tokenizer.fim_prompt(prompt, fim_suffix)
+                check_unicode(fim_suffix, "fim_suffix")
+                ids = self.tokenizer.fim_token_ids(prompt, fim_suffix, allow_special_tokens)
             elif chat or not isinstance(prompt, str):
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                text = self.tokenizer.chat_prompt(messages)
+                ids = self.tokenizer.chat_token_ids(messages, allow_special_tokens=allow_special_tokens)
+            elif allow_special_tokens:
+                ids = self.tokenizer.encode(prompt)
             else:
-                text = prompt
-            ids = self._check_token_ids(self.tokenizer.encode(text), "the encoded prompt")
+                ids = self.tokenizer.encode_literal(prompt)
+            ids = self._check_token_ids(ids, "the encoded prompt")
         else:
             if chat or fim_suffix is not None:
                 raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
@@ -315,7 +355,7 @@ class Engine:
         return [int(i) for i in array]
 
     def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
-                 speculate) -> _Request:
+                 speculate, allow_special_tokens) -> _Request:
         self._check_open()
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -332,7 +372,7 @@ class Engine:
             if isinstance(stop_token_ids, (int, np.integer)):
                 stop_token_ids = [stop_token_ids]
             stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids")
-        ids = self.encode_prompt(prompt, chat, fim_suffix)
+        ids = self.encode_prompt(prompt, chat, fim_suffix, allow_special_tokens)
         total = len(ids) + int(max_new_tokens)
         if total > self.max_context:
             raise ContextLengthError(
@@ -342,32 +382,62 @@ class Engine:
             )
         return _Request(np.array(ids, dtype=np.int32), int(max_new_tokens), sampling, frozenset(stop_ids), int(speculate))
 
-    # ---- running it ----
+    # ---- running it: every touch of the backend or the pages holds self._lock ----
+
+    def _take_backend(self, request: _Request) -> None:
+        """Make `request` the one whose queued backend work is live, dropping another's: that one
+        starts its backend generator again from its last token at its next step."""
+        owner = self._owner
+        if owner is not None and owner is not request and owner.upcoming is not None:
+            owner.upcoming.close()
+            owner.upcoming = None
+        self._owner = request
+
+    def _release_backend(self, request: _Request) -> None:
+        if request.upcoming is not None:
+            request.upcoming.close()  # before the pages go back: a step may still be queued on them
+            request.upcoming = None
+        if self._owner is request:
+            self._owner = None
+
+    def _next_pass(self, request: _Request, page_table: np.ndarray) -> list[int]:
+        """The tokens of the request's next pass over the weights, from its passes generator (started
+        anew from its last chosen token when another request used the backend since its last pass)."""
+        if self._owner is not request or request.upcoming is None:
+            self._take_backend(request)
+            request.upcoming = self._passes(request, page_table)
+        tokens = next(request.upcoming)
+        request.chosen += tokens
+        return tokens
 
     def _run(self, request: _Request) -> Iterator[TokenPiece]:
         prompt_len = len(request.prompt_ids)
-        try:
-            page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
-        except KVCacheFullError as e:
-            raise GenerationError(f"{e} (other generations still hold pages)") from e
-        backend, sampling = self.backend, request.sampling
-        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        finish_reason, timings, passes = "length", [0.0, 0.0], None
-        try:
+        with self._lock:
             self._check_open()
-            start = time.perf_counter()
-            token = sample(backend.prefill(request.prompt_ids, 0, page_table), sampling, prompt_len - 1)
-            timings[0] = time.perf_counter() - start
-            passes = self._passes(request, token, page_table)
-            pending = iter([token])  # chosen, not yet yielded: the tokens of one pass
+            try:
+                page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
+            except KVCacheFullError as e:
+                raise GenerationError(f"{e} (other generations still hold pages)") from e
+            backend_name = self.backend.name
+        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        finish_reason, timings = "length", [0.0, 0.0]
+        try:
+            with self._lock:
+                self._check_open()
+                self._take_backend(request)
+                start = time.perf_counter()
+                token = sample(self.backend.prefill(request.prompt_ids, 0, page_table), request.sampling, prompt_len - 1)
+                timings[0] = time.perf_counter() - start
+            request.chosen.append(token)
+            pending = [token]  # chosen, not yet yielded: the tokens of one pass
             while len(request.generated) < request.max_new_tokens:
-                token = next(pending, None)
-                if token is None:
-                    self._check_open()  # a stream may outlive close(); its backend is gone then
-                    start = time.perf_counter()
-                    pending = iter(next(passes))
-                    timings[1] += time.perf_counter() - start
-                    continue
+                if not pending:
+                    with self._lock:
+                        self._check_open()  # a stream may outlive close(); its backend is gone then
+                        start = time.perf_counter()
+                        pending = self._next_pass(request, page_table)
+                        timings[1] += time.perf_counter() - start
+                token = pending.pop(0)
                 if token in request.stop_ids:
                     finish_reason = "stop"
                     break
@@ -381,9 +451,9 @@ class Engine:
                 f"check it with `nanoqwen inspect --verify {self.model.path}`"
             ) from e
         finally:
-            if passes is not None:
-                passes.close()  # before the pages go back: a step may still be queued on them
-            self.allocator.free(page_table)
+            with self._lock:
+                self._release_backend(request)
+                self.allocator.free(page_table)
         request.result = GenerationResult(
             prompt_token_ids=request.prompt_ids.tolist(),
             token_ids=list(request.generated),
@@ -391,15 +461,15 @@ class Engine:
             finish_reason=finish_reason,
             prefill_seconds=timings[0],
             decode_seconds=timings[1],
-            backend=backend.name,
-            seed=sampling.seed,
+            backend=backend_name,
+            seed=request.sampling.seed,
             decode_passes=request.decode_passes,
             drafted_tokens=request.drafted_tokens,
             accepted_drafts=request.accepted_drafts,
         )
 
-    def _passes(self, request: _Request, token: int, page_table: np.ndarray) -> Iterator[list[int]]:
-        """The tokens after `token`, prefill's choice, one list per pass over the weights.
+    def _passes(self, request: _Request, page_table: np.ndarray) -> Iterator[list[int]]:
+        """The tokens after the request's last chosen one, one list per pass over the weights.
 
         Without speculation each pass is one of `next_tokens`' steps. With it, each pass first
         drafts from prompt + tokens so far: a draft is verified in one pass, and without one
@@ -408,8 +478,10 @@ class Engine:
         (prompt + max_new_tokens - 2) and the request's pages cover every row. The consumer
         closes this generator at a stop token, so drafts come from tokens of the output only.
         """
+        token, chosen = request.chosen[-1], len(request.chosen)
         backend, sampling = self.backend, request.sampling
-        position, remaining = len(request.prompt_ids), request.max_new_tokens - 1  # `token` goes in at position
+        # `token` goes in at the position after the prompt and the tokens chosen before it
+        position, remaining = len(request.prompt_ids) + chosen - 1, request.max_new_tokens - chosen
         if not request.speculate:
             upcoming = backend.next_tokens(token, position, page_table, remaining, sampling)
             try:
@@ -419,7 +491,7 @@ class Engine:
             finally:
                 upcoming.close()
             return
-        lookup = PromptLookup([*request.prompt_ids.tolist(), token])
+        lookup = PromptLookup([*request.prompt_ids.tolist(), *request.chosen])
         while remaining > 0:
             drafts = lookup.draft(min(request.speculate, remaining - 1))
             if drafts:
@@ -435,20 +507,24 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-               chat: bool = False, fim_suffix: str | None = None, speculate: int = 0) -> Stream:
+               chat: bool = False, fim_suffix: str | None = None, speculate: int = 0,
+               allow_special_tokens: bool = False) -> Stream:
         """Like `generate`, but yields TokenPieces as tokens are made.
 
         Arguments are checked now, not at the first `next()`. The request's pages are freed
         when the stream ends, fails, is closed, or is dropped; `.result` is set at its end.
+        Streams take the engine's lock step by step, so several may run at once, from one
+        thread or many.
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
-                                speculate)
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
+                                fim_suffix, speculate, allow_special_tokens)
         return Stream(self._run(request), request)
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,
-                 chat: bool = False, fim_suffix: str | None = None, speculate: int = 0) -> GenerationResult:
-        """Run a request to the end.
+                 chat: bool = False, fim_suffix: str | None = None, speculate: int = 0,
+                 allow_special_tokens: bool = False) -> GenerationResult:
+        """Run a request to the end, holding the engine's lock: other threads' requests wait for it.
 
         prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}]). chat=True
         wraps a text prompt as one user message of the chat template; fim_suffix makes a
@@ -458,26 +534,31 @@ class Engine:
         speculate=N (at most MAX_DRAFTS) drafts up to N tokens per pass by prompt lookup
         (nanoqwen.speculative) and verifies them in one pass over the weights: the same tokens,
         fewer passes when the output copies the prompt (GenerationResult.tokens_per_pass).
+        Text is encoded as text; allow_special_tokens=True lets special-token text in the prompt,
+        the messages or fim_suffix act as special tokens (and lets messages carry other keys).
         """
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
-                                speculate)
-        for _ in self._run(request):
-            pass
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat,
+                                fim_suffix, speculate, allow_special_tokens)
+        with self._lock:
+            for _ in self._run(request):
+                pass
         return request.result
 
     def close(self) -> None:
         """Release the backend (its device memory) and, if the engine opened it, the model file.
 
-        Idempotent; afterwards every request raises GenerationError("engine is closed").
+        Idempotent. Waits for the backend call in progress in another thread, if any; afterwards
+        every request, running or new, raises GenerationError("engine is closed").
         """
-        if self._closed:
-            return
-        self._closed = True
-        backend, self.backend = self.backend, None
-        if backend is not None and callable(getattr(backend, "close", None)):
-            backend.close()
-        if self._owns_model:
-            self.model.close()
+        self._closed = True  # requests running elsewhere stop at their next step, which waits for the lock
+        with self._lock:
+            if self._owner is not None:
+                self._release_backend(self._owner)
+            backend, self.backend = self.backend, None
+            if backend is not None and callable(getattr(backend, "close", None)):
+                backend.close()
+            if self._owns_model:
+                self.model.close()
 
     def __enter__(self) -> Engine:
         return self

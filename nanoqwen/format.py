@@ -13,7 +13,12 @@ any offset is trusted. Each record carries the CRC-32 of its tensor's bytes, che
 from __future__ import annotations
 
 import os
+import secrets
+import signal
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +32,9 @@ HEADER_BYTES = 256
 RECORD_BYTES = 128
 MAX_NAME_BYTES = 64
 MAX_NDIM = 4
+# A new file is created, never an existing one reused, and never through a symbolic link: two
+# writers of one path, or a link planted where the temporary file goes, cannot mix bytes.
+PARTIAL_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # dtype code -> numpy dtype. Packed INT4 weights are stored as their uint32 words.
 DTYPES = {1: np.dtype("<f2"), 2: np.dtype("<f4"), 3: np.dtype("<u4"), 4: np.dtype("u1")}
@@ -127,18 +135,41 @@ def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[np.nda
     return table, data_offset, offset
 
 
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # the status a shell reports for a process ended by the signal
+
+
+@contextmanager
+def _sigterm_raises_system_exit() -> Iterator[None]:
+    """In the main thread, make SIGTERM raise SystemExit(143) instead of ending the process on the
+    spot, so that the `finally` and `__exit__` blocks on the way out run (the writer's removes its
+    temporary file). A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class NanoqwenWriter:
     """Write a .nanoqwen file tensor by tensor, atomically.
 
     The layout is fixed up front from the list of (name, dtype, shape), so each tensor can be
     written as soon as it is produced and then dropped: memory stays at one tensor. Bytes go to
-    `<path>.partial`; only `close()` after every tensor was written renames it to `path`, so an
-    interrupted conversion never leaves a file that looks complete.
+    a new file `<path>.<random>.partial` beside `path`, created exclusively (PARTIAL_OPEN_FLAGS);
+    only `close()` after every tensor was written renames it to `path`, so an interrupted
+    conversion never leaves a file that looks complete, and a reader of `path` sees the old file
+    or the new one, whole. An exception, Ctrl-C, or SIGTERM while the writer is used as a context
+    manager removes the temporary file; only SIGKILL or a power cut can leave one behind.
     """
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig, entries):
         self.path = Path(path)
-        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.partial = self.path.with_name(f"{self.path.name}.{secrets.token_hex(6)}.partial")
+        self._while_open = ExitStack()  # what __enter__ sets up and __exit__ undoes
         self.table, self.data_offset, self.file_size = plan_layout(list(entries))
         self.index = {rec["name"].decode(): i for i, rec in enumerate(self.table)}
         self.written: set[str] = set()
@@ -153,8 +184,12 @@ class NanoqwenWriter:
         self.header["table_offset"] = HEADER_BYTES
         self.header["data_offset"] = self.data_offset
         self.header["file_size"] = self.file_size
-        self.file = open(self.partial, "wb")
-        self.file.truncate(self.file_size)
+        self.file = os.fdopen(os.open(self.partial, PARTIAL_OPEN_FLAGS, 0o666), "wb")
+        try:
+            self.file.truncate(self.file_size)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, array: np.ndarray) -> None:
         if name not in self.index:
@@ -194,8 +229,12 @@ class NanoqwenWriter:
         self.partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "NanoqwenWriter":
+        self._while_open.enter_context(_sigterm_raises_system_exit())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
+        try:
+            if exc_type is not None:
+                self.abort()
+        finally:
+            self._while_open.close()

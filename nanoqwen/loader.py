@@ -3,6 +3,12 @@
 Validation happens once, before any tensor is touched, and only with Python integers, so a
 corrupt file can never make us allocate, seek or read past its end. After that, every tensor
 is a read-only numpy view of the map: no copy, and the OS pages weights in on first touch.
+
+Because the tensors are the file's pages, a loaded file must not be changed in place while a
+Model (or an Engine) uses it: `cp` over it or a truncation changes the weights under a running
+engine, or kills it with SIGBUS when it touches a page past the new end. Replace it the way
+`nanoqwen convert` writes it, by renaming a complete new file over the old name: the old
+file's pages stay mapped until it is closed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .format import (
     VERSION,
     header_checksum,
 )
+from .jsonlimits import MAX_JSON_BYTES
 
 TOKENIZER_PREFIX = "tokenizer/"
 
@@ -158,7 +165,11 @@ class Model:
 
 
 def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
-    """Memory-map and validate a .nanoqwen file. Raises NanoqwenFormatError on any defect."""
+    """Memory-map and validate a .nanoqwen file. Raises NanoqwenFormatError on any defect.
+
+    The model's tensors are views of the map: do not overwrite the file in place while it is
+    loaded (see the module docstring); renaming a new file over it is safe.
+    """
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -271,6 +282,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
     for name, (code, shape, _) in tensors.items():
         if name not in expected and not (name.startswith(TOKENIZER_PREFIX) and DTYPE_NAMES[code] == "u8" and len(shape) == 1):
             raise fail(f"unexpected tensor {name!r}")
+        if name.startswith(TOKENIZER_PREFIX) and shape[0] > MAX_JSON_BYTES:  # read whole below, parsed by Engine
+            raise fail(f"tokenizer blob {name!r} holds {shape[0]:,} bytes, more than the {MAX_JSON_BYTES:,} a tokenizer file may")
 
     # The tokenizer blobs are small (a few MB for Qwen) and parsed at every load, so their
     # CRC-32 is checked every time: a flipped byte is a format error, not a parser's error.

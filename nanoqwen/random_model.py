@@ -24,6 +24,7 @@ from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter ker
 from .config import ModelConfig
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
+from .tokenizer import TOKENIZER_FILES
 
 QWEN25_CODER_7B = ModelConfig(
     num_layers=28,
@@ -56,7 +57,6 @@ PRESETS = {
     "qwen2.5-coder-32b": _qwen25_coder(64, 5120, 27648, 40, 8, 152064, tied=False),
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Trained linear weights have a standard deviation near 0.02; the largest of 128 such values
 # is ~2.7 sigma, so a group's scale max|w| / 7 sits near 0.008.
 TYPICAL_SCALE = 0.008

@@ -8,12 +8,13 @@ We parse it ourselves because numpy has no bfloat16, the dtype Qwen2.5 ships in.
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 import numpy as np
+
 from .errors import CheckpointError
+from .jsonlimits import JSONLimitError, check_json_size, parse_json, read_json_file
 
 _NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
@@ -76,8 +77,8 @@ class SafetensorsCheckpoint:
 def _read_index(path: Path) -> list[str]:
     """The shard file names of a model.safetensors.index.json."""
     try:
-        weight_map = json.loads(path.read_bytes())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, no weight_map, not an object
+        weight_map = parse_json(read_json_file(path))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # bad or oversized JSON, no weight_map, not an object
         raise CheckpointError(f"{path}: not a safetensors index with a 'weight_map' ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
         raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard file names in this folder")
@@ -99,7 +100,10 @@ def _read_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int,
         if header_len > size - 8:
             raise CheckpointError(f"{path}: header length {header_len} exceeds the file's {size - 8} bytes after it")
         try:
-            header = json.loads(f.read(header_len))
+            check_json_size(header_len)
+            header = parse_json(f.read(header_len))
+        except JSONLimitError as e:
+            raise CheckpointError(f"{path}: header {e}") from None
         except ValueError as e:  # invalid JSON or UTF-8
             raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):

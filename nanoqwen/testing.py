@@ -29,7 +29,8 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["DEFAULT_CONFIG", "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "reference_model"]
+__all__ = ["DEFAULT_CONFIG", "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files",
+           "reference_model"]
 
 # Small enough to build and run in well under a second; every dimension a multiple of the
 # INT4 group (128) where the format requires it, GQA 2:1, untied lm_head like the 7B.
@@ -99,6 +100,14 @@ def make_tokenizer(vocab_size: int = DEFAULT_CONFIG["vocab_size"]):
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))  # after training, so they get the last ids
     return tok
+
+
+def make_tokenizer_files(vocab_size: int = DEFAULT_CONFIG["vocab_size"],
+                         model_max_length: int = DEFAULT_CONFIG["max_position_embeddings"]) -> dict[str, bytes]:
+    """tokenizer.json and tokenizer_config.json of `make_tokenizer`, as a checkpoint ships them."""
+    tok = make_tokenizer(vocab_size)
+    config = json.dumps(_tokenizer_config(tok, model_max_length), indent=2, ensure_ascii=False)
+    return {"tokenizer.json": tok.to_str(pretty=True).encode(), "tokenizer_config.json": config.encode()}
 
 
 def _tokenizer_config(tok, model_max_length: int) -> dict:
@@ -174,11 +183,8 @@ def make_hf_checkpoint(directory, *, seed: int = 0, tokenizer: bool = True, **co
             hf_logging.enable_progress_bar()
 
     if tokenizer:
-        tok = make_tokenizer(config.vocab_size)
-        tok.save(str(directory / "tokenizer.json"))
-        (directory / "tokenizer_config.json").write_text(
-            json.dumps(_tokenizer_config(tok, config.max_position_embeddings), indent=2, ensure_ascii=False)
-        )
+        for name, data in make_tokenizer_files(config.vocab_size, config.max_position_embeddings).items():
+            (directory / name).write_bytes(data)
     return directory
 
 

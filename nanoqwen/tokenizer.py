@@ -5,22 +5,49 @@ pre-tokenizer, merges, decoder, special tokens) and `tokenizer_config.json` (the
 template and the names of the special tokens) into the file as byte blobs. Here the first
 goes to `tokenizers.Tokenizer.from_str` and the second's Jinja chat template is rendered with
 jinja2 the way transformers renders it, so a model file needs nothing else beside it.
+
+Both blobs come from whoever made the checkpoint, so neither is trusted:
+
+- tokenizer.json may be at most MAX_JSON_BYTES (its parser, serde_json, stops at 128 levels of
+  nesting by itself); tokenizer_config.json is read by `jsonlimits.parse_json` (size and
+  nesting limits) and its token names must be strings. The chat template compiles and runs
+  under `nanoqwen.chat_template`'s limits on source size, time and output.
+- Padding and truncation in tokenizer.json are switched off: the engine measures prompts
+  against the context itself, and a `Fixed` padding of 10**9 would allocate gigabytes.
+- The Rust library reports some bad files only by panicking, during construction or at the
+  first encode. Every call into it goes through `_call_rust`, which turns a panic into a
+  nanoqwen error, and a fixed PROBE_TEXT is encoded and decoded at construction, so a broken
+  pipeline is found when the file is opened, not at the first request.
+
+Text from users is encoded as text: `<|im_end|>` typed in a message or in a FIM suffix becomes
+the ordinary tokens that spell it, and special tokens come only from the template's own text
+(`chat_token_ids`, `fim_token_ids`). `encode` still matches special-token text, for callers
+that wrote the text themselves.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping, Sequence
+import os
+import re
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
 
 import tokenizers
 
+from .chat_template import compile_template, render
+from .errors import CheckpointError, GenerationError, NanoqwenFormatError
+from .jsonlimits import JSONLimitError, check_json_size, parse_json
 from .loader import TOKENIZER_PREFIX
-from .errors import NanoqwenFormatError, GenerationError
 
-__all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer", "check_unicode"]
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON)
 
 # ChatML as Qwen2.5-Instruct writes it, without the default system prompt Qwen's own template
 # adds. Used only when tokenizer_config.json carries no template.
@@ -32,77 +59,281 @@ CHATML_TEMPLATE = (
 )
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # end of a chat turn, end of a document
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+TOKEN_NAME_KEYS = ("bos_token", "eos_token")  # the names tokenizer_config.json gives the template
+MESSAGE_KEYS = frozenset({"role", "content"})
+# Encoded and decoded once at construction: letters, digits, spaces, tabs, newlines,
+# punctuation, accents, CJK and an emoji reach every stage of a tokenizer's pipeline.
+PROBE_TEXT = "Hello, world! 123\n\tdef f(x):  return x ** 2  # caf\u00e9 \u65e5\u672c\u8a9e \U0001f642"
+
+
+def check_unicode(text: str, what: str) -> None:
+    """GenerationError naming `what` when `text` holds a lone surrogate, which UTF-8 cannot encode.
+
+    Python decodes bytes that are not UTF-8 into such surrogates (argv, and files read with
+    errors="surrogateescape"); the tokenizer takes only real Unicode text.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(
+            f"{what} is not valid Unicode text: {text[e.start]!r} at character {e.start} is a lone surrogate "
+            "(bytes that are not UTF-8, read as text?)"
+        ) from None
+
+
+# ---- calling into the Rust library ----
+
+_STDERR_LOCK = threading.Lock()  # file descriptor 2 is one per process: one call borrows it at a time
+_scratch: tuple[int, int] | None = None  # (pid, fd) of the file that stands in for fd 2 during a call
+
+
+def _is_panic(error: BaseException) -> bool:
+    """pyo3 raises a Rust panic as pyo3_runtime.PanicException, which derives from BaseException
+    (so `except Exception` misses it) and which no importable module exports: it is known by name."""
+    kind = type(error)
+    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())  # the library's messages may span lines; nanoqwen's errors do not
+
+
+def _scratch_fd() -> int:
+    """This process's scratch file, created at its first call into the library."""
+    global _scratch
+    if _scratch is None or _scratch[0] != os.getpid():  # a forked child must not share the parent's offset
+        fd, name = tempfile.mkstemp(prefix="nanoqwen-stderr-")
+        os.unlink(name)
+        _scratch = (os.getpid(), fd)
+    return _scratch[1]
+
+
+def _take_scratch(fd: int) -> bytes:
+    """What was written to the scratch file since the last call, leaving it empty and its offset
+    (which fd 2 shares while borrowed) at 0."""
+    size = os.lseek(fd, 0, os.SEEK_END)
+    if not size:  # the usual case: nothing to pass on, nothing to truncate
+        return b""
+    data = os.pread(fd, size, 0)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return data
+
+
+def _call_rust(failure: Callable[[str], Exception], function, *args):
+    """`function(*args)`, a call into the tokenizers library; its failures become `failure(message)`.
+
+    The library reports a file it cannot use with a plain Exception, and some it only finds
+    while working by panicking. Rust's panic hook writes the message and a backtrace to file
+    descriptor 2 before pyo3 raises, which would break the CLI's one-line errors, so during the
+    call fd 2 points at a scratch file. What lands there goes on to stderr afterwards unless the
+    call panicked: then the message is in the error instead.
+    """
+    with _STDERR_LOCK:
+        scratch = _scratch_fd()
+        try:
+            saved = os.dup(2)
+        except OSError:  # no fd 2 at all (a daemon closed it): no stderr to keep clean
+            saved = None
+        else:
+            os.dup2(scratch, 2)
+        panicked = False
+        try:
+            return function(*args)
+        except Exception as e:
+            raise failure(_one_line(e)) from None
+        except BaseException as e:
+            if not _is_panic(e):
+                raise  # KeyboardInterrupt, SystemExit
+            panicked = True
+            raise failure(f"the tokenizers library panicked: {_one_line(e)}") from None
+        finally:
+            if saved is not None:
+                os.dup2(saved, 2)
+                os.close(saved)
+                written = _take_scratch(scratch)
+                if written and not panicked:
+                    os.write(2, written)
+
+
+# ---- reading and checking the two files ----
+
+
+class _FileProblem(Exception):
+    """One of the tokenizer files cannot be used: `file_name` and `problem` (a phrase). Raised
+    while `Tokenizer._from_files` builds a tokenizer; its callers turn it into the error that
+    names the location (a model file's blob, a checkpoint's file)."""
+
+    def __init__(self, file_name: str, problem: str):
+        super().__init__(file_name, problem)
+        self.file_name, self.problem = file_name, problem
+
+
+def _tokenizer_json(files: Mapping[str, bytes]) -> str:
+    """tokenizer.json as text, for the library's own parser (which limits nesting itself)."""
+    try:
+        check_json_size(len(files[TOKENIZER_JSON]))
+        return files[TOKENIZER_JSON].decode("utf-8")
+    except JSONLimitError as e:
+        raise _FileProblem(TOKENIZER_JSON, str(e)) from None
+    except UnicodeDecodeError as e:
+        raise _FileProblem(TOKENIZER_JSON, f"not UTF-8 ({e})") from None
+
+
+def _read_config(files: Mapping[str, bytes]) -> dict:
+    """tokenizer_config.json as a dict ({} when absent), its token names checked."""
+    if TOKENIZER_CONFIG_JSON not in files:
+        return {}
+    try:
+        config = parse_json(files[TOKENIZER_CONFIG_JSON])
+    except JSONLimitError as e:
+        raise _FileProblem(TOKENIZER_CONFIG_JSON, str(e)) from None
+    except UnicodeDecodeError as e:
+        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"not UTF-8 ({e})") from None
+    except ValueError as e:
+        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"invalid JSON ({e})") from None
+    if not isinstance(config, Mapping):
+        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"a JSON {type(config).__name__}, not an object")
+    for key in TOKEN_NAME_KEYS:
+        entry = config.get(key)
+        if entry is not None and not isinstance(_token_name(entry), str):
+            raise _FileProblem(TOKENIZER_CONFIG_JSON, f'{key} must be a string or {{"content": a string}}, got {entry!r:.80}')
+    return dict(config)
 
 
 def _token_name(entry) -> str | None:
     """tokenizer_config.json names a token either as a string or as {"content": ...}."""
     if isinstance(entry, Mapping):
         return entry.get("content")
-    return entry if isinstance(entry, str) else None
+    return entry
+
+
+def _chat_template(config: Mapping) -> str:
+    """The chat template's source: the config's, or the one called "default" of several."""
+    template = config.get("chat_template") or CHATML_TEMPLATE
+    if not isinstance(template, str):
+        try:
+            templates = {t["name"]: t["template"] for t in template}
+        except (TypeError, KeyError):
+            raise _FileProblem(TOKENIZER_CONFIG_JSON, "chat_template must be a string or a list of {name, template} objects") from None
+        template = templates.get("default", CHATML_TEMPLATE)
+        if not isinstance(template, str):
+            raise _FileProblem(TOKENIZER_CONFIG_JSON, f"the default chat_template must be a string, got {template!r:.80}")
+    return template
+
+
+# ---- the pipeline's three operations, as the Tokenizer and its construction-time probe run them ----
+
+
+def _encoding(backend: tokenizers.Tokenizer, text: str) -> tokenizers.Encoding:
+    return backend.encode(text, add_special_tokens=False)  # Qwen adds no BOS
+
+
+def _literal_ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    """`_encoding` minus its first step, which cuts special-token text out: normalize, split
+    into pre-tokens, and let the model encode each piece."""
+    normalized = backend.normalizer.normalize_str(text) if backend.normalizer is not None else text
+    pre_tokenizer = backend.pre_tokenizer
+    pieces = pre_tokenizer.pre_tokenize_str(normalized) if pre_tokenizer is not None else [(normalized, None)]
+    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+def _decode(backend: tokenizers.Tokenizer, token_ids: list[int]) -> str:
+    return backend.decode(token_ids, skip_special_tokens=False)
+
+
+def _probe(backend: tokenizers.Tokenizer) -> None:
+    """Run PROBE_TEXT through every operation, so that a pipeline that fails on any text fails here."""
+
+    def failure(message: str) -> _FileProblem:
+        return _FileProblem(TOKENIZER_JSON, f"it fails on a sample text: {message}")
+
+    ids = _call_rust(failure, _encoding, backend, PROBE_TEXT).ids + _call_rust(failure, _literal_ids, backend, PROBE_TEXT)
+    _call_rust(failure, _decode, backend, ids)
+
+
+def _overlaps(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
+    return any(s < end and start < e for s, e in spans)
 
 
 class Tokenizer:
-    def __init__(self, tokenizer_json: str, config: Mapping | None = None):
-        self.backend = tokenizers.Tokenizer.from_str(tokenizer_json)
-        self.config = dict(config or {})
-        self.chat_template = self.config.get("chat_template") or CHATML_TEMPLATE
-        if not isinstance(self.chat_template, str):
-            # Some configs list several named templates; the one called "default" is the chat one.
-            try:
-                templates = {t["name"]: t["template"] for t in self.chat_template}
-            except (TypeError, KeyError):
-                raise GenerationError("chat_template must be a string or a list of {name, template} objects") from None
-            self.chat_template = templates.get("default", CHATML_TEMPLATE)
-        self._template = None
+    """A model file's tokenizer. Build it with `from_files` (or `from_checkpoint_files`)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str, source: str):
+        """From parts `_from_files` has checked: the built library tokenizer, tokenizer_config.json's
+        dict, the chat template's source, and where the files came from (for error messages)."""
+        self.backend = backend
+        self.config = config
+        self.chat_template = chat_template
+        self.source = source
+        self._template = None  # compiled at the first chat: a broken template fails only chats
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes], source: str = "model file") -> Tokenizer | None:
         """From the blobs of a .nanoqwen (`Model.tokenizer_files`); None if it has no tokenizer.
 
-        A blob that is not UTF-8 JSON of the expected kind raises NanoqwenFormatError naming
-        `source` (the file's path) and the blob.
+        A blob nanoqwen cannot use raises NanoqwenFormatError naming `source` (the file's path)
+        and the blob.
         """
+        try:
+            return cls._from_files(files, source)
+        except _FileProblem as e:
+            raise NanoqwenFormatError(f"{source}: tokenizer blob '{TOKENIZER_PREFIX}{e.file_name}' is corrupt: {e.problem}") from None
+
+    @classmethod
+    def from_checkpoint_files(cls, files: Mapping[str, bytes], directory: str | os.PathLike) -> Tokenizer | None:
+        """As `from_files`, for the files of a checkpoint `directory`: CheckpointError names the file."""
+        try:
+            return cls._from_files(files, str(directory))
+        except _FileProblem as e:
+            raise CheckpointError(f"{Path(directory) / e.file_name}: {e.problem}") from None
+
+    @classmethod
+    def _from_files(cls, files: Mapping[str, bytes], source: str) -> Tokenizer | None:
         if TOKENIZER_JSON not in files:
             return None
+        tokenizer_json = _tokenizer_json(files)
+        config = _read_config(files)
+        chat_template = _chat_template(config)
+        backend = _call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
+        backend.no_padding()
+        backend.no_truncation()
+        _probe(backend)
+        return cls(backend, config, chat_template, source)
 
-        def fail(name: str, problem) -> NanoqwenFormatError:
-            return NanoqwenFormatError(f"{source}: tokenizer blob '{TOKENIZER_PREFIX}{name}' is corrupt: {problem}")
-
-        def text(name: str) -> str:
-            try:
-                return files[name].decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise fail(name, f"not UTF-8 ({e})") from None
-
-        config = {}
-        if TOKENIZER_CONFIG_JSON in files:
-            try:
-                config = json.loads(text(TOKENIZER_CONFIG_JSON))
-            except json.JSONDecodeError as e:
-                raise fail(TOKENIZER_CONFIG_JSON, f"invalid JSON ({e})") from None
-            if not isinstance(config, Mapping):
-                raise fail(TOKENIZER_CONFIG_JSON, f"a JSON {type(config).__name__}, not an object")
-        tokenizer_json = text(TOKENIZER_JSON)
-        try:
-            return cls(tokenizer_json, config)
-        except GenerationError as e:
-            raise fail(TOKENIZER_CONFIG_JSON, e) from None
-        except Exception as e:  # tokenizers raises a bare Exception for any JSON it cannot build
-            raise fail(TOKENIZER_JSON, e) from None
+    def _failure(self, operation: str) -> Callable[[str], GenerationError]:
+        return lambda message: GenerationError(f"the tokenizer of {self.source} cannot {operation} this text: {message}")
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def largest_token_id(self) -> int:
+        """The largest id the tokenizer can produce (-1 for an empty vocabulary)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    # ---- text to ids ----
+
     def encode(self, text: str) -> list[int]:
-        # Qwen adds no BOS; special tokens written in the text (from templates) are matched.
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Ids of `text`, special-token text in it matched as special tokens (text the caller wrote)."""
+        return self._encoding(text).ids
+
+    def _encoding(self, text: str) -> tokenizers.Encoding:
+        check_unicode(text, "the text")
+        return _call_rust(self._failure("encode"), _encoding, self.backend, text)
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: special-token text in it stays the ordinary tokens that spell it."""
+        check_unicode(text, "the text")
+        return _call_rust(self._failure("encode"), _literal_ids, self.backend, text)
 
     def decode(self, token_ids: Iterable[int]) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=False)
+        return _call_rust(self._failure("decode"), _decode, self.backend, list(token_ids))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -111,32 +342,109 @@ class Tokenizer:
         ids = [self.token_id(name) for name in names if name]
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
+    def _special_token_in(self, text: str) -> str | None:
+        """The first special token that `text` spells, if any."""
+        for token_id in self.encode(text):
+            if token_id in self._added_ids:
+                return self.backend.id_to_token(token_id)
+        return None
+
+    # ---- chat ----
+
     def chat_prompt(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render the chat template; messages are {"role": ..., "content": ...} dicts of strings."""
-        if len(messages) == 0:
-            raise GenerationError("empty conversation: chat needs at least one message")
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
-                raise GenerationError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
-            for key in ("role", "content"):
-                if not isinstance(message[key], str):
+        _check_messages(messages)
+        return self._render(messages, add_generation_prompt)
+
+    def compiled_template(self):
+        """The chat template, compiled at the first call; GenerationError when it does not compile."""
+        if self._template is None:
+            self._template = _run_template(compile_template, self.chat_template)
+        return self._template
+
+    def _render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+        return _run_template(
+            render,
+            self.compiled_template(),
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=_token_name(self.config.get("bos_token")) or "",
+            eos_token=_token_name(self.config.get("eos_token")) or "",
+        )
+
+    def chat_token_ids(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                       allow_special_tokens: bool = False) -> list[int]:
+        """Ids of the rendered conversation: special tokens where the template wrote them, and each
+        message's content as plain text (unless `allow_special_tokens`: then as `encode` sees it).
+
+        The template is rendered twice, once as is and once with every content between two random
+        markers, which say where the contents lie in the prompt. When no special token falls
+        inside a content the ids are `encode`'s, exactly what transformers produces; otherwise the
+        prompt is cut at the template's special tokens and the text between them encoded as text.
+        """
+        if allow_special_tokens:
+            return self.encode(self.chat_prompt(messages, add_generation_prompt))
+        _check_messages(messages)
+        self._check_message_structure(messages)
+        text = self._render(messages, add_generation_prompt)
+        encoding = self._encoding(text)
+        spans = self._content_spans(messages, add_generation_prompt, text)
+        if spans is None:  # the template rewrites contents: their place in the prompt is unknown
+            for i, message in enumerate(messages):
+                if token := self._special_token_in(message["content"]):
                     raise GenerationError(
-                        f"chat message {i}: {key!r} must be a string, got {type(message[key]).__name__} "
-                        f"({message!r:.80})"
+                        f"chat message {i} spells the special token {token!r}, and this chat template rewrites "
+                        "message content, so it cannot be kept as plain text; remove it, or pass "
+                        "allow_special_tokens=True to let it act as a special token"
                     )
-        try:
-            if self._template is None:
-                self._template = _compile_template(self.chat_template)
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=_token_name(self.config.get("bos_token")) or "",
-                eos_token=_token_name(self.config.get("eos_token")) or "",
-            )
-        except GenerationError:
-            raise
-        except Exception as e:  # jinja2's syntax, undefined-variable and sandbox errors
-            raise GenerationError(f"the tokenizer's chat template failed: {type(e).__name__}: {e}") from e
+            return encoding.ids
+        structural = [(token_id, start, end) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+                      if token_id in self._added_ids and not _overlaps(start, end, spans)]
+        if len(structural) == sum(token_id in self._added_ids for token_id in encoding.ids):
+            return encoding.ids
+        ids, position = [], 0
+        for token_id, start, end in structural:
+            ids += self.encode_literal(text[position:start])
+            ids.append(token_id)
+            position = end
+        return ids + self.encode_literal(text[position:])
+
+    def _check_message_structure(self, messages: Sequence[Mapping[str, str]]) -> None:
+        """Refuse what would reach the template as structure: a role that spells a special token,
+        keys beyond role and content."""
+        for i, message in enumerate(messages):
+            if extra := sorted(set(message) - MESSAGE_KEYS):
+                raise GenerationError(
+                    f"chat message {i} has keys {extra} besides 'role' and 'content'; they would reach the "
+                    "template as trusted text: pass allow_special_tokens=True to send them"
+                )
+            if token := self._special_token_in(message["role"]):
+                raise GenerationError(f"chat message {i}: role {message['role']!r:.80} spells the special token {token!r}")
+
+    def _content_spans(self, messages, add_generation_prompt: bool, text: str) -> list[tuple[int, int]] | None:
+        """[start, end) of each non-empty content in `text`, the rendered prompt; None when the
+        template does not copy contents verbatim (the markers then do not frame them)."""
+        nonce = secrets.token_hex(8)
+        opening, closing = f"\ue000{nonce}<\ue000", f"\ue000{nonce}>\ue000"
+        marked = [{**message, "content": opening + message["content"] + closing} if message["content"] else message
+                  for message in messages]
+        rendered = self._render(marked, add_generation_prompt)
+        spans, pieces, start, length, last = [], [], None, 0, 0
+        for marker in re.finditer(f"{re.escape(opening)}|{re.escape(closing)}", rendered):
+            pieces.append(rendered[last : marker.start()])
+            length += marker.start() - last
+            last = marker.end()
+            if (marker.group() == opening) != (start is None):
+                return None  # markers out of order: the template cut or reordered a content
+            if start is None:
+                start = length
+            else:
+                spans.append((start, length))
+                start = None
+        pieces.append(rendered[last:])
+        return spans if start is None and "".join(pieces) == text else None
+
+    # ---- fill in the middle ----
 
     def fim_prompt(self, prefix: str, suffix: str) -> str:
         """Fill-in-the-middle: the model writes what goes between `prefix` and `suffix`."""
@@ -145,19 +453,40 @@ class Tokenizer:
             raise GenerationError(f"this tokenizer has no fill-in-the-middle tokens {missing}")
         return f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
 
+    def fim_token_ids(self, prefix: str, suffix: str, allow_special_tokens: bool = False) -> list[int]:
+        """Ids of `fim_prompt`: the three markers as special tokens, prefix and suffix as plain
+        text (unless `allow_special_tokens`)."""
+        text = self.fim_prompt(prefix, suffix)
+        if allow_special_tokens:
+            return self.encode(text)
+        marker = self.token_id
+        return [marker(FIM_PREFIX), *self.encode_literal(prefix), marker(FIM_SUFFIX), *self.encode_literal(suffix),
+                marker(FIM_MIDDLE)]
 
-def _compile_template(source: str):
-    """A sandboxed jinja2 template with the options and helpers transformers provides."""
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise GenerationError(f"chat template: {message}")
+def _run_template(function, *args, **kwargs):
+    """`function(*args, **kwargs)`, one of nanoqwen.chat_template's; jinja2's errors become GenerationError."""
+    try:
+        return function(*args, **kwargs)
+    except GenerationError:
+        raise
+    except Exception as e:  # jinja2's syntax, undefined-variable and sandbox errors
+        raise GenerationError(f"the tokenizer's chat template failed: {type(e).__name__}: {e}") from e
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+
+def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    if len(messages) == 0:
+        raise GenerationError("empty conversation: chat needs at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not MESSAGE_KEYS <= message.keys():
+            raise GenerationError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        for key in ("role", "content"):
+            if not isinstance(message[key], str):
+                raise GenerationError(
+                    f"chat message {i}: {key!r} must be a string, got {type(message[key]).__name__} "
+                    f"({message!r:.80})"
+                )
+            check_unicode(message[key], f"chat message {i}: {key!r}")
 
 
 class StreamDecoder:

@@ -3,6 +3,11 @@ and an interrupted conversion leaves nothing behind."""
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,8 +23,9 @@ from nanoqwen.quant import dequantize_int4, quantize_int4  # noqa: E402
 from nanoqwen.safetensors_reader import SafetensorsCheckpoint# noqa: E402
 from nanoqwen.errors import CheckpointError
 
+# The smallest tokenizer that builds (convert refuses one that does not), copied byte for byte.
 TOKENIZER = {
-    "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}\n',
+    "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}\n',
     "tokenizer_config.json": '{"chat_template": "{{ messages }} \u2713"}'.encode(),
 }
 
@@ -249,3 +255,167 @@ def test_resolve_source_refuses_what_is_neither_a_directory_nor_a_hub_id(tmp_pat
     for source in (str(tmp_path / "file.safetensors"), "no-slash-name", "a/b/c"):
         with pytest.raises(CheckpointError, match="not a checkpoint directory"):
             resolve_source(source)
+
+
+# ---- what the engine would refuse, refused before a byte is written ----
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act is 'gelu'; nanoqwen runs only 'silu'"),
+        ({"max_position_embeddings": 2**32}, "max_position_embeddings=4294967296 does not fit"),
+        ({"num_hidden_layers": 1}, r"tensor 'model\.layers\.1\..*' belongs to no layer of the 1 that config.json's"),
+        ({"num_hidden_layers": 3}, "num_hidden_layers=3, the checkpoint holds tensors of 2 layers"),
+    ],
+)
+def test_refuses_what_the_engine_does_not_run(checkpoints, tmp_path, changes, match):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    edit_config(directory, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
+def test_a_billion_layers_fail_at_once(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    edit_config(directory, num_hidden_layers=10**9)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="num_hidden_layers=1000000000, the checkpoint holds tensors of 2 layers"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert time.perf_counter() - start < 5  # no billion-layer tensor list was built
+
+
+def test_a_layer_index_in_another_script_is_no_layer(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    edit_tensors(directory, lambda t: t.__setitem__("model.layers.\u0661.extra", t["model.norm.weight"]))
+    summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)  # not layer 1: an unused tensor
+    assert nanoqwen.load(summary["out"]).config.num_layers == 2
+    edit_tensors(directory, lambda t: t.__setitem__("model.layers.01.extra", t["model.norm.weight"]))
+    with pytest.raises(CheckpointError, match="'model.layers.01.extra' belongs to no layer"):
+        convert(str(directory), tmp_path / "again.nanoqwen", progress=False)
+
+
+@pytest.mark.parametrize(
+    "name, data, match",
+    [
+        ("tokenizer.json", b'{"model": {"type": "BPE"}}', "tokenizer.json: Missing vocab/merges"),
+        ("tokenizer.json", b"\xff", "tokenizer.json: not UTF-8"),
+        ("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 320}, "merges": []}}',
+         r"tokenizer.json: token id 320 lies outside the model's vocabulary 0\.\.319"),
+        ("tokenizer_config.json", b'{"chat_template": "{% for %}"}', "tokenizer_config.json: the tokenizer's chat template failed"),
+        ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token must be a string"),
+        ("tokenizer_config.json", b'{"a":' * 100 + b"1" + b"}" * 100, "tokenizer_config.json: nested 100 levels deep"),
+    ],
+)
+def test_refuses_a_tokenizer_the_engine_could_not_build(checkpoints, tmp_path, name, data, match):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    (directory / name).write_bytes(data)
+    with pytest.raises(CheckpointError, match=match) as error:
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert str(directory / name) in str(error.value)
+    assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
+def test_refuses_an_oversized_tokenizer_file_before_reading_it(checkpoints, tmp_path, monkeypatch):
+    from nanoqwen import jsonlimits
+
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    (directory / "tokenizer.json").write_bytes(b" " * 20_000 + TOKENIZER["tokenizer.json"])
+    monkeypatch.setattr(jsonlimits, "MAX_JSON_BYTES", 10_000)  # above config.json's and the header's size
+    with pytest.raises(CheckpointError, match="tokenizer.json: holds 20,0.. bytes, more than the 10,000 bytes of JSON"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+
+
+# ---- where the output goes ----
+
+
+@pytest.mark.parametrize("target", ["config.json", "model.safetensors", "new.nanoqwen", "sub/new.nanoqwen"])
+def test_refuses_an_output_inside_the_checkpoint(checkpoints, tmp_path, target):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    (directory / "sub").mkdir()
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    with pytest.raises(CheckpointError, match="lies inside the checkpoint .*, whose files it could replace"):
+        convert(str(directory), directory / target, progress=False)
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    assert list((directory / "sub").iterdir()) == []
+
+
+def test_writers_of_one_path_never_share_a_temporary_file(checkpoints, tmp_path):
+    """Two conversions to one OUT at once: each writes its own file, the last rename wins, and
+    the result is one of them whole."""
+    out = tmp_path / "m.nanoqwen"
+    results, errors = {}, []
+
+    def run(key):
+        try:
+            convert(str(checkpoints[key][0]), out, progress=False)
+            results[key] = nanoqwen.load(out, verify_checksums=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in ("untied", "bf16")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and list(tmp_path.iterdir()) == [out]
+    final = nanoqwen.load(out, verify_checksums=True)
+    embed = final.tensors["model.embed_tokens.weight"]
+    assert any(np.array_equal(embed, checkpoints[key][1]["model.embed_tokens.weight"].astype(np.float16))
+               for key in ("untied", "bf16"))
+
+
+def test_two_open_writers_of_one_path_hold_two_files(tmp_path):
+    config = nanoqwen.ModelConfig(num_layers=1, hidden_size=128, intermediate_size=128, num_heads=1, num_kv_heads=1,
+                                  head_dim=128, vocab_size=8, max_position_embeddings=16, rope_theta=1e4,
+                                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+    entries = [(name, dtype, shape) for name, (dtype, shape) in config.tensor_specs().items()]
+    first, second = (NanoqwenWriter(tmp_path / "m.nanoqwen", config, entries) for _ in range(2))
+    assert first.partial != second.partial and first.partial.exists() and second.partial.exists()
+    first.abort()
+    second.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_planted_at_the_temporary_name_is_not_followed(checkpoints, tmp_path, monkeypatch):
+    import nanoqwen.format
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    monkeypatch.setattr(nanoqwen.format.secrets, "token_hex", lambda n: "planted")
+    (tmp_path / "m.nanoqwen.planted.partial").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        convert(str(checkpoints["untied"][0]), tmp_path / "m.nanoqwen", progress=False)
+    assert victim.read_text() == "precious" and not (tmp_path / "m.nanoqwen").exists()
+
+
+SLOW_CONVERT = """
+import sys, time
+from nanoqwen.convert import convert
+from nanoqwen.format import NanoqwenWriter
+
+real_write = NanoqwenWriter.write
+def slow_write(self, name, array):
+    real_write(self, name, array)
+    print("writing", flush=True)
+    time.sleep(60)
+NanoqwenWriter.write = slow_write
+convert(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_sigterm_mid_conversion_leaves_nothing(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, str(checkpoints["untied"][0]), str(out / "m.nanoqwen")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "writing\n"
+        assert [p.name.endswith(".partial") for p in out.iterdir()] == [True]
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+    assert list(out.iterdir()) == []

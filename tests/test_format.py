@@ -60,6 +60,16 @@ def test_specification_tensor_list_matches_tensor_specs():
     assert listed == specs
 
 
+def test_specification_tokenizer_limits_match_the_code():
+    import importlib
+
+    section = SPEC.read_text().split("### What a reader may trust in them\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| [^|]+ \| (\d+) \| `([\w.]+)\.(\w+)` \|", section, re.M)
+    assert len(rows) == 5
+    for value, module, name in rows:
+        assert getattr(importlib.import_module(module), name) == int(value), name
+
+
 def test_layout_is_aligned_and_contiguous():
     entries = [(n, d, s) for n, (d, s) in TINY.tensor_specs().items()] + [("tokenizer/x.json", "u8", (77,))]
     table, data_offset, file_size = plan_layout(entries)

@@ -7,6 +7,7 @@ token ids, positions and page tables a backend must refuse before it indexes any
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 import sys
@@ -390,6 +391,10 @@ def checkpoint(tokenizer_dir, tmp_path):
     ('{"rope_parameters": "yarn"}', "rope_parameters must be an object"),
     ('{"tie_word_embeddings": "no"}', "tie_word_embeddings must be true or false"),
     ('{"architectures": "Qwen2ForCausalLM"}', "not a Qwen2 causal LM"),
+    (b'{"a":' * 5000 + b"1" + b"}" * 5000, "nested more than the 32 levels of JSON"),
+    ('{"hidden_act": "gelu"}', "hidden_act is 'gelu'; nanoqwen runs only 'silu'"),
+    ('{"max_position_embeddings": 4294967296}', "max_position_embeddings=4294967296 does not fit the .nanoqwen header's 32-bit"),
+    ('{"rope_theta": 1' + "0" * 400 + "}", "rope_theta is too large to be a float: an integer of 401 digits"),
 ])
 def test_bad_config_json_is_a_checkpoint_error_naming_the_file(checkpoint, tmp_path, text, match):
     import json
@@ -421,6 +426,13 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
         convert_module.convert("anything", tmp_path / "no" / "m.nanoqwen")
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path), "is a directory")
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path / "no" / "m.nanoqwen"), "does not exist")
+
+
+def test_conversion_refusals_are_one_cli_line(capsys, checkpoint, tmp_path):
+    (checkpoint / "config.json").write_bytes(b'{"a":' * 5000 + b"1" + b"}" * 5000)
+    assert_one_line_error(cli_run(capsys, "convert", checkpoint, tmp_path / "m.nanoqwen"), "nested more than the 32 levels")
+    assert_one_line_error(cli_run(capsys, "convert", checkpoint, checkpoint / "config.json"), "lies inside the checkpoint")
+    assert not list(tmp_path.glob("m.nanoqwen*"))
 
 
 def test_hub_download_failure_is_a_checkpoint_error(monkeypatch):
@@ -464,6 +476,8 @@ BAD_SAFETENSORS = [
     (safetensors_bytes({"w": {"dtype": 7, "shape": [2, 2], "data_offsets": [0, 16]}}), "'w' has a malformed"),
     (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 2**40]}}), "outside the 16-byte data"),
     (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}), "outside"),
+    (safetensors_bytes(b'{"w":' * 5000 + b"1" + b"}" * 5000), "header nested more than the 32 levels of JSON"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [[[[[[[[2]]]]]]]] * 5, "data_offsets": [0, 16]}}), "'w' has a malformed"),
 ]
 
 
@@ -485,6 +499,19 @@ def test_malformed_safetensors_is_a_checkpoint_error_naming_the_file(tmp_path, d
     assert str(path) in str(error.value) and peak < 2**20  # no buffer the size the header claims
 
 
+def test_oversized_safetensors_header_and_index_are_refused_before_reading(tmp_path, monkeypatch):
+    from nanoqwen import jsonlimits
+    from nanoqwen.safetensors_reader import SafetensorsCheckpoint
+
+    monkeypatch.setattr(jsonlimits, "MAX_JSON_BYTES", 100)
+    (tmp_path / "model.safetensors").write_bytes(safetensors_bytes({"w": GOOD_ENTRY, "pad": "x" * 100}))
+    with pytest.raises(CheckpointError, match=r"header holds 1\d\d bytes, more than the 100 bytes of JSON"):
+        SafetensorsCheckpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "x" * 100}}))
+    with pytest.raises(CheckpointError, match="index.json: not a safetensors index.*more than the 100 bytes of JSON"):
+        SafetensorsCheckpoint(tmp_path)
+
+
 def test_valid_safetensors_still_reads(tmp_path):
     from nanoqwen.safetensors_reader import SafetensorsCheckpoint
 
@@ -499,6 +526,7 @@ def test_valid_safetensors_still_reads(tmp_path):
     ('{"metadata": {}}', "not a safetensors index with a 'weight_map'"),
     ('{"weight_map": ["a.safetensors"]}', "'weight_map' must map"),
     ('{"weight_map": {"w": "../elsewhere.safetensors"}}', "'weight_map' must map"),
+    ("[" * 5000 + "]" * 5000, "not a safetensors index with a 'weight_map' .JSONLimitError: nested more than the 32 levels"),
 ])
 def test_malformed_index_is_a_checkpoint_error(tmp_path, index, match):
     from nanoqwen.safetensors_reader import SafetensorsCheckpoint
