@@ -408,7 +408,7 @@ class Engine:
             request.upcoming = self._passes(request, page_table)
         tokens = next(request.upcoming)
         request.chosen += tokens
-        return tokens
+        return list(tokens)  # the caller pops them; the generator keeps its own
 
     def _run(self, request: _Request) -> Iterator[TokenPiece]:
         prompt_len = len(request.prompt_ids)

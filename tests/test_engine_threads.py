@@ -102,6 +102,20 @@ def test_streams_in_several_threads_take_turns_step_by_step(model_path, alone):
         assert engine.allocator.num_free == engine.allocator.num_pages
 
 
+def test_interleaved_speculative_streams_resume_from_their_last_chosen_token(model_path, alone):
+    """A verify pass may choose several tokens that the stream yields one at a time; another stream
+    running in between makes the first one start its passes again from the last token it chose."""
+    with Engine(model_path, backend="numpy") as engine:
+        streams = [engine.stream(p, max_new_tokens=STEPS, stop_token_ids=[], speculate=4) for p in PROMPTS[:2]]
+        tokens = [[], []]
+        for pair in itertools.zip_longest(*streams):
+            for got, piece in zip(tokens, pair):
+                if piece is not None and piece.token_id is not None:
+                    got.append(piece.token_id)
+        assert tokens == alone[:2]
+        assert engine.allocator.num_free == engine.allocator.num_pages
+
+
 @pytest.mark.parametrize("run", range(8))
 def test_close_during_generate_ends_it_cleanly(model_path, run):
     engine = Engine(model_path, backend="numpy")  # it opened the file: close() unmaps the weights
