@@ -29,8 +29,8 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["DEFAULT_CONFIG", "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files",
-           "reference_model"]
+__all__ = ["DEFAULT_CONFIG", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms", "make_hf_checkpoint", "make_nanoqwen",
+           "make_tokenizer", "make_tokenizer_files", "reference_model", "rounding_noise", "rounding_tolerance"]
 
 # Small enough to build and run in well under a second; every dimension a multiple of the
 # INT4 group (128) where the format requires it, GQA 2:1, untied lm_head like the 7B.
@@ -233,3 +233,91 @@ def reference_model(model: Model):
     reference.load_state_dict(state, strict=True)
     return reference.eval()
 
+
+
+# ---------------------------------------------------------------------- the fp16 rounding bound
+#
+# How far may a correct engine's logits be from the fp32 reference? The engine rounds to fp16 at
+# fixed points of the forward pass (ARCHITECTURE.md, "Numerics"): each norm's output, K and V as
+# stored, the attention output into o_proj and silu(gate) * up into down_proj; the CUDA backend's
+# prefill also multiplies with fp16 copies of the weights. Each rounding is a relative perturbation
+# of size ~u = 2^-11, but what it does to the logits depends on the gains of everything after it:
+# the softmax amplifies a perturbation of q or k by the scale of the attention scores, SwiGLU by
+# its activations' spread, and the residual stream carries an early layer's error into every later
+# one. Models whose layers have unit gain keep the sum of those effects near u * sqrt(#roundings);
+# weights of fixed size (trained ones, or nanoqwen.random_model's) do not. So the bound is measured
+# on the model itself: the reference runs a second time with first-order noise of each rounding's
+# own size injected where the engine rounds (`rounding_noise`), and a step's logits may be off by at
+# most ROUNDING_TOLERANCE_FACTOR times the rms of that perturbation's effect. The factor covers the
+# largest of ~150k errors against their rms (measured 4.9-7.2 over the 0.5B to 14B shapes, 1 to 48
+# layers), not a shape: a real bug (a wrong page, position or split) moves logits by O(rms(logits)).
+ROUNDING_TOLERANCE_FACTOR = 12
+
+
+def fp16_relative_rms(tensor) -> float:
+    """rms(fp16(t) - t) / rms(t): the relative size of rounding `tensor` to fp16."""
+    t = tensor.detach().float()
+    scale = float(t.pow(2).mean().sqrt())
+    return float((t.half().float() - t).pow(2).mean().sqrt()) / scale if scale > 0 else 0.0
+
+
+class rounding_noise:
+    """A context in which `reference` (a Qwen2ForCausalLM in fp32) computes with first-order fp16
+    rounding noise where the engine rounds: v -> v (1 + fp16_relative_rms(v) xi), xi ~ N(0, 1)
+    drawn from `seed`, on the outputs of the norms and of k_proj and v_proj (cached, so the noise
+    stays with the positions as the engine's fp16 K/V does) and on the inputs of o_proj and
+    down_proj. With `prefill_weights_fp16` (the CUDA backend), every projection of a call over
+    several tokens also adds the effect of fp16 weights: fp16_relative_rms(W) sqrt(x^2 (W^2)^T) xi."""
+
+    def __init__(self, reference, seed: int = 0, prefill_weights_fp16: bool = False):
+        import torch
+
+        self.reference, self.prefill_weights_fp16 = reference, prefill_weights_fp16
+        device = next(reference.parameters()).device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.handles = []
+
+    def _noise_like(self, tensor):
+        import torch
+
+        return torch.randn(tensor.shape, generator=self.generator, device=tensor.device, dtype=tensor.dtype)
+
+    def _rounded(self, tensor):
+        return tensor * (1 + fp16_relative_rms(tensor) * self._noise_like(tensor))
+
+    def __enter__(self):
+        model = self.reference.model
+        on_output = lambda module, args, output: self._rounded(output)  # noqa: E731
+        on_input = lambda module, args: (self._rounded(args[0]), *args[1:])  # noqa: E731
+        for layer in model.layers:
+            for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.k_proj,
+                           layer.self_attn.v_proj):
+                self.handles.append(module.register_forward_hook(on_output))
+            for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                self.handles.append(module.register_forward_pre_hook(on_input))
+            if self.prefill_weights_fp16:
+                for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    self.handles.append(module.register_forward_hook(self._fp16_weights))
+        self.handles.append(model.norm.register_forward_hook(on_output))
+        return self
+
+    def _fp16_weights(self, module, args, output):
+        x = args[0]
+        if x.shape[-2] == 1:  # a decode step: the engine's GEMVs read the INT4 weights themselves
+            return output
+        spread = (x.pow(2) @ module.weight.pow(2).T).sqrt()
+        return output + fp16_relative_rms(module.weight) * spread * self._noise_like(output)
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def rounding_tolerance(reference_logits: np.ndarray, perturbed_logits: np.ndarray,
+                       factor: float = ROUNDING_TOLERANCE_FACTOR) -> float:
+    """The largest logit error a correct engine may show at a step: `factor` times the rms of what
+    first-order fp16 rounding noise did to the reference's logits there (`rounding_noise`)."""
+    difference = np.asarray(perturbed_logits, np.float64) - np.asarray(reference_logits, np.float64)
+    return factor * float(np.sqrt(np.mean(difference * difference)))

@@ -89,8 +89,35 @@ def test_whole_run_passes_on_the_numpy_backend(models, tmp_path, capsys):
         assert key in report["environment"]
     first = report["steps"][0]
     assert 0 < first["max_abs_error"] < first["tolerance"]
-    assert first["tolerance"] == pytest.approx(check.tolerance(nanoqwen.load(models["untied"]).config,
-                                                               np.full(8, first["reference_rms"])))
+    # the rounding bound is a few u of the logits, far below what a wrong index or page does
+    assert 0 < first["tolerance"] < 0.05 * first["reference_rms"]
+
+
+# Fixed-size weights (nanoqwen.random_model's, as a trained model's are: not unit-gain), at the
+# aspect ratios of the Qwen2 family, where the softmax and SwiGLU gains that carry a rounding to
+# the logits differ: the numerics contract, as the numpy backend computes it, must stay within the
+# bound the tool measures on each model, with the one factor.
+ASPECT_RATIOS = {
+    "wide MLP, 7:1": dict(hidden_size=384, intermediate_size=2048, num_heads=6, num_kv_heads=1, head_dim=64),
+    "narrow MLP, 5:1, tied": dict(hidden_size=640, intermediate_size=1024, num_heads=5, num_kv_heads=1, head_dim=128,
+                                  tie_word_embeddings=True),
+    "1:1, head_dim 64": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64),
+    "8:1 over 16 heads, 4 layers": dict(num_layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16,
+                                        num_kv_heads=2, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("name", ASPECT_RATIOS)
+def test_numpy_backend_stays_within_the_measured_bound(name, tmp_path):
+    from nanoqwen.config import ModelConfig
+    from nanoqwen.random_model import write_random_model
+
+    shape = {"num_layers": 2, "vocab_size": 2000, "tie_word_embeddings": False, **ASPECT_RATIOS[name]}
+    config = ModelConfig(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, **shape)
+    path = write_random_model(tmp_path / "model.nanoqwen", config, seed=3)
+    code, report = run_tool(path, tmp_path)
+    assert code == 0, report["failures"]
+    assert report["counts"]["worst_error_over_tolerance"] < 1
 
 
 def test_tied_model_at_head_dim_128_passes(models, tmp_path):

@@ -2,8 +2,10 @@
 # The GPU checks and records, one mode per call on an H100/H200 machine; each step is bounded so a
 # failure costs its own time only. Logs and records go under $OUT; a summary table is printed last.
 #   bash tools/gpu_session.sh checks   the GPU tests, `nanoqwen bench` on the 7B's shapes (with the
-#                                      transformers baseline), compute-sanitizer over a whole generation
-#   bash tools/gpu_session.sh sizes    the check against transformers and the decode speed at every size
+#                                      transformers baseline), the step's timeline, the attention kernels
+#   bash tools/gpu_session.sh records  compute-sanitizer over a whole generation, the kernels one at a
+#                                      time, the check against transformers at every size
+#   bash tools/gpu_session.sh sizes    the decode speed at every size
 #   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
 #                                      nbval, jupytext and their dependencies: book/running.md)
 set -u
@@ -31,11 +33,16 @@ case "${1:-checks}" in
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 200 bash -c "python3 -m nanoqwen bench '$MODEL_7B' --baseline --json '$OUT/bench-7b-h200.json' \
       | tee '$OUT/bench-7b-h200.txt'"
-    step "sanitizers over a generation" 300 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-h200.json" \
+    step "step timeline 7B" 120 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-h200.json"
+    step "attention kernels" 200 python3 tools/gpu_check_attention.py
+    ;;
+  records)
+    step "sanitizers over a generation" 150 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-h200.json" \
       --logs "$OUT/sanitizer-logs"
+    step "kernels one at a time" 120 python3 tools/bench_kernels.py --out "$OUT/kernels-h200.md" --json "$OUT/kernels-h200.json"
+    step "check by size" 420 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200"
     ;;
   sizes)
-    step "check by size" 420 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200"
     step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"
     ;;
   book)
