@@ -40,7 +40,8 @@ case "${1:-checks}" in
     step "sanitizers over a generation" 150 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-h200.json" \
       --logs "$OUT/sanitizer-logs"
     step "kernels one at a time" 120 python3 tools/bench_kernels.py --out "$OUT/kernels-h200.md" --json "$OUT/kernels-h200.json"
-    step "check by size" 420 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200"
+    step "check by size" 400 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200" \
+      --presets qwen2.5-coder-14b qwen2.5-coder-32b qwen2.5-coder-7b qwen2.5-coder-0.5b qwen2.5-coder-1.5b qwen2.5-coder-3b
     ;;
   sizes)
     step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"
