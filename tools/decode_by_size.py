@@ -6,8 +6,8 @@ Each size is a random-weight file of the published shapes (`nanoqwen.random_mode
 run through `Engine.generate` as `nanoqwen bench` runs it: a 512-token prompt, then 128 greedy
 tokens, the median of `REPEATS` runs. The floor is the bytes one step must read at the run's
 mean context over the H200's read bandwidth (`nanoqwen.byte_floor`). Peak GPU memory is the
-device's used memory after the runs (the engine allocates everything at start and CuPy's pool
-keeps what prefill took) less what was used before the engine was built. Writes OUT.json
+device memory CuPy's pool holds after the runs: the engine allocates everything at start, and the
+pool keeps what prefill took. Writes OUT.json
 (`{"rows": [{"model", "context", "ms_per_token", "floor_ms", "share_of_floor", "peak_gpu_bytes",
 "prefill_weights", "time_to_first_token_ms"}, ...]}` with date, GPU, commit, command) and OUT.md.
 """
@@ -36,22 +36,23 @@ def measure(model_path: Path, prompt_tokens: int) -> dict:
     from nanoqwen import Engine
     from nanoqwen.byte_floor import floor_ms
 
-    free, total = cp.cuda.runtime.memGetInfo()
-    used_before = total - free
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()  # what an earlier size's engine left cached is not this one's
     engine = Engine(model_path, backend="cuda", max_context=prompt_tokens + NEW_TOKENS)
     try:
         ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
         engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
         runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
         cp.cuda.Device().synchronize()
-        free, total = cp.cuda.runtime.memGetInfo()
         ms = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
         floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2)
         return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms, floor_ms=floor, share_of_floor=floor / ms,
-                    peak_gpu_bytes=int(total - free - used_before), prefill_weights=engine.backend.prefill_weights,
+                    peak_gpu_bytes=int(pool.total_bytes()), prefill_weights=engine.backend.prefill_weights,
                     time_to_first_token_ms=statistics.median(r.prefill_seconds for r in runs) * 1e3)
     finally:
         engine.close()
+        del engine
+        pool.free_all_blocks()
 
 
 def markdown(record: dict) -> str:
