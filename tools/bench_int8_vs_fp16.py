@@ -1,7 +1,7 @@
 """Path A (INT8 activations, __dp4a) against Path B (fp16 activations, the engine's GEMV) on
 every INT4 projection shape of Qwen2.5-Coder-7B, on one GPU. Chapter 8 plots what it writes.
 
-    PYTHONPATH=. python3 tools/bench_int8_vs_fp16.py [--replays 20] [--json PATH]
+    python3 tools/bench_int8_vs_fp16.py [--replays 20] [--json PATH]
 
 For each shape (N outputs x K inputs) it times, per call:
     A total   quantize_activations_int8 + gemv_int4_int8   (kernels/gemv_int4_int8.cu)

@@ -1,7 +1,7 @@
 """Check and time the paged attention kernels on a GPU, and write results/attention-h200.md.
 
-    PYTHONPATH=. python3 tools/gpu_check_attention.py          # everything (~3 minutes on an H200)
-    PYTHONPATH=. python3 tools/gpu_check_attention.py --quick  # a kernel change's check (~2 minutes)
+    python3 tools/gpu_check_attention.py          # everything (~3 minutes on an H200)
+    python3 tools/gpu_check_attention.py --quick  # a kernel change's check (~2 minutes)
 
 Sections, each independent (a failure is recorded and the next one runs):
 
@@ -587,7 +587,7 @@ def main():
             ("broken_stress", lambda: stress_subprocess(results, QUICK_STRESS_RUNS, timeout=50), 60),
             ("sanitizer", lambda: collect_sanitizers(pending, results, folder, deadline), QUICK_SANITIZER_S + 10),
         ]
-        stem, command = "attention-quick-h200", "PYTHONPATH=. python3 tools/gpu_check_attention.py --quick"
+        stem, command = "attention-quick-h200", "python3 tools/gpu_check_attention.py --quick"
     else:
         sections = [
             ("correctness", lambda: check_correctness(cp, results), 120),
@@ -598,7 +598,7 @@ def main():
             ("broken_stress", lambda: stress_subprocess(results), 130),
             ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
         ]
-        stem, command = "attention-h200", "PYTHONPATH=. python3 tools/gpu_check_attention.py"
+        stem, command = "attention-h200", "python3 tools/gpu_check_attention.py"
     finish = lambda: finish_run(results, folder, stem, command)  # noqa: E731
     for name, section, limit in sections:
         if name in args.skip:
