@@ -32,86 +32,35 @@ passes special-token text through as special tokens, for callers who wrote it th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from .config import ModelConfig
-from .cuda.weights import PREFILL_WEIGHTS
+from .backends import make_backend
 from .errors import (
-    BackendUnavailableError,
     ContextLengthError,
     GenerationError,
     KVCacheFullError,
 )
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
-from .sampling import GREEDY, SamplingParams, sample
+from .sampling import SamplingParams, sample
 from .speculative import MAX_DRAFTS, PromptLookup
 from .tokenizer import StreamDecoder, Tokenizer, check_unicode
 
 __all__ = [
-    "Backend",
     "Engine",
     "GenerationResult",
     "Stream",
     "TokenPiece",
-    "cuda_available",
-    "cuda_unavailable_reason",
-    "make_backend",
 ]
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens; the 7B allows 32768, but its KV cache would be 1.8 GB
 DEFAULT_MAX_NEW_TOKENS = 256
-BACKENDS = ("auto", "numpy", "cuda")
-
-
-class Backend(Protocol):
-    """What the engine needs from a backend. Both `NumpyBackend` and `CudaBackend` provide it.
-
-    A backend owns the model's weights on its device and the KV pool of `num_pages` pages; the
-    engine owns the page tables. Token ids and page tables are int32 host arrays.
-    """
-
-    name: str
-    config: ModelConfig
-    num_pages: int
-
-    def prefill(self, token_ids: np.ndarray, start_pos: int, page_table: np.ndarray) -> np.ndarray:
-        """Write K/V of token_ids [T] at positions start_pos..start_pos+T-1; fp32 logits [vocab] of the last."""
-
-    def decode(self, token_id: int, position: int, page_table: np.ndarray) -> np.ndarray:
-        """One token at `position` (reads positions 0..position); fp32 logits [vocab]."""
-
-    def decode_next(self, token_id: int, position: int, page_table: np.ndarray,
-                    sampling: SamplingParams = GREEDY) -> int:
-        """The token `sampling` chooses from `decode`'s logits (`sample` at `position`); a backend
-        may choose it without bringing the logits to the host."""
-
-    def next_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int,
-                    sampling: SamplingParams = GREEDY) -> Iterator[int]:
-        """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
-        back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
-
-    def verify(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray,
-               sampling: SamplingParams = GREEDY) -> list[int]:
-        """One pass over the weights for rows [token_id, *drafts] at positions position..position +
-        len(drafts) (at most MAX_DRAFTS drafts; the page table covers those positions and may end
-        there): each row writes its K/V and attends causally over the cache and the rows before it.
-        Row j's token is `sample(logits_j, sampling, position + j)`, as `decode_next` would choose
-        it at that position. Returns the chosen tokens up to and including the first that differs
-        from its draft (1..len(drafts) + 1 tokens; `nanoqwen.speculative.accepted_tokens`). A
-        backend may choose and compare on the device and bring back only the accepted tokens.
-
-        The K/V rows of rejected drafts stay in the cache, stale: the next pass starts at the
-        first position not accepted and writes its rows before attending, and no row attends past
-        its own position, so a stale row is overwritten before anything reads it."""
 
 
 @dataclass(frozen=True)
@@ -197,64 +146,6 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# The attention kernels use cp.async.bulk copies and mbarrier transaction counts: Hopper (9.0) on.
-MIN_COMPUTE_CAPABILITY = 90
-
-
-def cuda_unavailable_reason() -> str | None:
-    """Why the CUDA backend cannot run here, or None when it can."""
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install 'nanoqwen[cuda12]' or '[cuda13]')"
-    if importlib.util.find_spec("nanoqwen.cuda.backend") is None:
-        return "this nanoqwen has no nanoqwen.cuda.backend module"
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "CuPy sees no NVIDIA GPU"
-        capability = int(cupy.cuda.Device(0).compute_capability)  # "90" on an H100/H200
-    except Exception as e:  # CuPy raises its own error types when the driver or device is missing
-        return f"CuPy cannot reach a GPU ({type(e).__name__}: {e})"
-    if capability < MIN_COMPUTE_CAPABILITY:
-        return (
-            f"GPU 0 has compute capability {capability // 10}.{capability % 10}; the CUDA backend needs "
-            f"{MIN_COMPUTE_CAPABILITY // 10}.0 or newer (Hopper: its attention kernels use cp.async.bulk "
-            "and mbarrier transaction counts)"
-        )
-    return None
-
-
-def cuda_available() -> bool:
-    """True when CuPy imports, sees a Hopper-or-newer GPU, and the CUDA backend module exists."""
-    return cuda_unavailable_reason() is None
-
-
-def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16",
-                 prefill_weights: str = "auto") -> Backend:
-    if activations not in ("fp16", "int8"):
-        raise ValueError(f"activations must be 'fp16' or 'int8', got {activations!r}")
-    if prefill_weights not in PREFILL_WEIGHTS:
-        raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r}")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    if name == "auto":
-        name = "cuda" if cuda_available() else "numpy"
-    if name == "numpy":
-        from .reference.backend import NumpyBackend
-
-        if activations != "fp16":
-            raise BackendUnavailableError("INT8 activations (chapter 8's Path A) exist on the CUDA backend only")
-        if prefill_weights == "cache":
-            raise BackendUnavailableError("prefill_weights='cache' (fp16 copies for cuBLAS) exists on the CUDA backend only")
-        return NumpyBackend(model, num_pages)
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        raise BackendUnavailableError(f"backend 'cuda' cannot run here: {reason}; use --backend numpy to run on the CPU")
-    from .cuda.backend import CudaBackend
-
-    return CudaBackend(model, num_pages, activations=activations, prefill_weights=prefill_weights)
 
 
 class Engine:

@@ -17,7 +17,7 @@ import pytest
 
 import nanoqwen
 from nanoqwen.reference import backend as backend_numpy
-from nanoqwen.engine import cuda_available
+from nanoqwen.backends import cuda_available
 from nanoqwen.quant import dequantize_int4, quantize_int4
 from nanoqwen.testing import make_nanoqwen, reference_model
 

@@ -10,7 +10,8 @@ import pytest
 
 from nanoqwen import sampling as sampling_module
 from nanoqwen.cuda.abi import TOP_K_MAX
-from nanoqwen.engine import Engine, cuda_available
+from nanoqwen.engine import Engine
+from nanoqwen.backends import cuda_available
 from nanoqwen.sampling import SamplingParams
 
 pytestmark = [

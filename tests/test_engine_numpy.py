@@ -326,7 +326,7 @@ def test_engine_arguments(model):
     with pytest.raises(nanoqwen.NanoqwenFormatError):
         Engine("/nonexistent/model.nanoqwen")
     assert Engine(model).max_context == min(model.config.max_position_embeddings, 4096)
-    if not nanoqwen.engine.cuda_available():
+    if not nanoqwen.backends.cuda_available():
         assert Engine(model, backend="auto").backend.name == "numpy"
         with pytest.raises(nanoqwen.BackendUnavailableError, match="CuPy"):
             Engine(model, backend="cuda")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import nanoqwen
+from nanoqwen import backends as backends_module
 from nanoqwen import engine as engine_module
 from nanoqwen.reference.backend import NumpyBackend
 from nanoqwen.config import ModelConfig
@@ -179,7 +180,7 @@ def fake_cupy(monkeypatch, capability: str, devices: int = 1):
 
 def test_pre_hopper_gpu_falls_back_to_numpy_and_cuda_says_why(model, monkeypatch):
     fake_cupy(monkeypatch, "80")  # an A100
-    assert not engine_module.cuda_available()
+    assert not backends_module.cuda_available()
     assert Engine(model, backend="auto").backend.name == "numpy"
     with pytest.raises(BackendUnavailableError, match="compute capability 8.0.*9.0 or newer"):
         Engine(model, backend="cuda")
@@ -215,7 +216,7 @@ def test_a_decode_form_switch_drops_the_graph_and_refuses_what_the_path_lacks():
 def test_hopper_gpu_counts_as_available(monkeypatch):
     for capability in ("90", "100"):
         fake_cupy(monkeypatch, capability)
-        assert engine_module.cuda_unavailable_reason() is None
+        assert backends_module.cuda_unavailable_reason() is None
 
 
 # ---- 9. chat messages ----

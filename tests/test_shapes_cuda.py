@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nanoqwen import Engine
-from nanoqwen.engine import cuda_available
+from nanoqwen.backends import cuda_available
 from nanoqwen.testing import make_nanoqwen
 
 pytestmark = [

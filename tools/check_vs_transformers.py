@@ -56,7 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 import nanoqwen
 from nanoqwen.config import PAGE_SIZE
-from nanoqwen.engine import BACKENDS, DEFAULT_MAX_CONTEXT, Engine
+from nanoqwen.engine import DEFAULT_MAX_CONTEXT, Engine
+from nanoqwen.backends import BACKENDS
 from nanoqwen.kvcache import pages_needed
 from nanoqwen.quant import NIBBLE_OF_ELEMENT, ZERO_POINT, dequantize_int4
 from nanoqwen.testing import ROUNDING_TOLERANCE_FACTOR, _hf_config, rounding_noise, rounding_tolerance

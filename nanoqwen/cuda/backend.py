@@ -1,7 +1,7 @@
 """The CUDA backend: the Qwen2 forward pass as a fixed sequence of kernel launches.
 
 It implements the same protocol as `nanoqwen.reference.backend.NumpyBackend` (see
-`nanoqwen.engine.Backend`) and, with fp16 activations, computes the same numbers
+`nanoqwen.backends.Backend`) and, with fp16 activations, computes the same numbers
 (ARCHITECTURE.md, "Numerics"; INT8 activations are chapter 8's approximation), with
 the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 

@@ -3,7 +3,7 @@
 It is slow and simple on purpose. Every CUDA kernel is checked against `nanoqwen.reference.ops`,
 and this file shows how those ops chain into a model, so a wrong answer from the GPU can be
 bisected op by op against the same chain. It implements the backend protocol that
-`nanoqwen.engine.Engine` drives (see `nanoqwen.engine.Backend`).
+`nanoqwen.engine.Engine` drives (see `nanoqwen.backends.Backend`).
 """
 
 from __future__ import annotations
