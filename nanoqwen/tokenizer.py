@@ -15,7 +15,7 @@ Both blobs come from whoever made the checkpoint, so neither is trusted:
 - Padding and truncation in tokenizer.json are switched off: the engine measures prompts
   against the context itself, and a `Fixed` padding of 10**9 would allocate gigabytes.
 - The Rust library reports some bad files only by panicking, during construction or at the
-  first encode. Every call into it goes through `_call_rust`, which turns a panic into a
+  first encode. Every call into it goes through `nanoqwen.rust_calls.call_rust`, which turns a panic into a
   nanoqwen error, and a fixed PROBE_TEXT is encoded and decoded at construction, so a broken
   pipeline is found when the file is opened, not at the first request.
 
@@ -30,8 +30,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -42,6 +40,7 @@ from .chat_template import compile_template, render
 from .errors import CheckpointError, GenerationError, NanoqwenFormatError
 from .jsonlimits import JSONLimitError, check_json_size, parse_json
 from .loader import TOKENIZER_PREFIX
+from .rust_calls import call_rust
 
 __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer", "check_unicode"]
 
@@ -79,81 +78,6 @@ def check_unicode(text: str, what: str) -> None:
             f"{what} is not valid Unicode text: {text[e.start]!r} at character {e.start} is a lone surrogate "
             "(bytes that are not UTF-8, read as text?)"
         ) from None
-
-
-# ---- calling into the Rust library ----
-
-_STDERR_LOCK = threading.Lock()  # file descriptor 2 is one per process: one call borrows it at a time
-_scratch: tuple[int, int] | None = None  # (pid, fd) of the file that stands in for fd 2 during a call
-
-
-def _is_panic(error: BaseException) -> bool:
-    """pyo3 raises a Rust panic as pyo3_runtime.PanicException, which derives from BaseException
-    (so `except Exception` misses it) and which no importable module exports: it is known by name."""
-    kind = type(error)
-    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())  # the library's messages may span lines; nanoqwen's errors do not
-
-
-def _scratch_fd() -> int:
-    """This process's scratch file, created at its first call into the library."""
-    global _scratch
-    if _scratch is None or _scratch[0] != os.getpid():  # a forked child must not share the parent's offset
-        fd, name = tempfile.mkstemp(prefix="nanoqwen-stderr-")
-        os.unlink(name)
-        _scratch = (os.getpid(), fd)
-    return _scratch[1]
-
-
-def _take_scratch(fd: int) -> bytes:
-    """What was written to the scratch file since the last call, leaving it empty and its offset
-    (which fd 2 shares while borrowed) at 0."""
-    size = os.lseek(fd, 0, os.SEEK_END)
-    if not size:  # the usual case: nothing to pass on, nothing to truncate
-        return b""
-    data = os.pread(fd, size, 0)
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return data
-
-
-def _call_rust(failure: Callable[[str], Exception], function, *args):
-    """`function(*args)`, a call into the tokenizers library; its failures become `failure(message)`.
-
-    The library reports a file it cannot use with a plain Exception, and some it only finds
-    while working by panicking. Rust's panic hook writes the message and a backtrace to file
-    descriptor 2 before pyo3 raises, which would break the CLI's one-line errors, so during the
-    call fd 2 points at a scratch file. What lands there goes on to stderr afterwards unless the
-    call panicked: then the message is in the error instead.
-    """
-    with _STDERR_LOCK:
-        scratch = _scratch_fd()
-        try:
-            saved = os.dup(2)
-        except OSError:  # no fd 2 at all (a daemon closed it): no stderr to keep clean
-            saved = None
-        else:
-            os.dup2(scratch, 2)
-        panicked = False
-        try:
-            return function(*args)
-        except Exception as e:
-            raise failure(_one_line(e)) from None
-        except BaseException as e:
-            if not _is_panic(e):
-                raise  # KeyboardInterrupt, SystemExit
-            panicked = True
-            raise failure(f"the tokenizers library panicked: {_one_line(e)}") from None
-        finally:
-            if saved is not None:
-                os.dup2(saved, 2)
-                os.close(saved)
-                written = _take_scratch(scratch)
-                if written and not panicked:
-                    os.write(2, written)
 
 
 # ---- reading and checking the two files ----
@@ -248,8 +172,8 @@ def _probe(backend: tokenizers.Tokenizer) -> None:
     def failure(message: str) -> _FileProblem:
         return _FileProblem(TOKENIZER_JSON, f"it fails on a sample text: {message}")
 
-    ids = _call_rust(failure, _encoding, backend, PROBE_TEXT).ids + _call_rust(failure, _literal_ids, backend, PROBE_TEXT)
-    _call_rust(failure, _decode, backend, ids)
+    ids = call_rust(failure, _encoding, backend, PROBE_TEXT).ids + call_rust(failure, _literal_ids, backend, PROBE_TEXT)
+    call_rust(failure, _decode, backend, ids)
 
 
 def _overlaps(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
@@ -296,7 +220,7 @@ class Tokenizer:
         tokenizer_json = _tokenizer_json(files)
         config = _read_config(files)
         chat_template = _chat_template(config)
-        backend = _call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
+        backend = call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
         backend.no_padding()
         backend.no_truncation()
         _probe(backend)
@@ -325,15 +249,15 @@ class Tokenizer:
 
     def _encoding(self, text: str) -> tokenizers.Encoding:
         check_unicode(text, "the text")
-        return _call_rust(self._failure("encode"), _encoding, self.backend, text)
+        return call_rust(self._failure("encode"), _encoding, self.backend, text)
 
     def encode_literal(self, text: str) -> list[int]:
         """Ids of `text` as plain text: special-token text in it stays the ordinary tokens that spell it."""
         check_unicode(text, "the text")
-        return _call_rust(self._failure("encode"), _literal_ids, self.backend, text)
+        return call_rust(self._failure("encode"), _literal_ids, self.backend, text)
 
     def decode(self, token_ids: Iterable[int]) -> str:
-        return _call_rust(self._failure("decode"), _decode, self.backend, list(token_ids))
+        return call_rust(self._failure("decode"), _decode, self.backend, list(token_ids))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -308,7 +308,7 @@ def test_cli_passes_special_tokens_only_when_allowed(engine, capsys, monkeypatch
 
 
 def test_the_rust_call_guard_passes_interrupts_and_keeps_other_output(capfd):
-    from nanoqwen.tokenizer import _call_rust
+    from nanoqwen.rust_calls import call_rust
 
     def interrupted():
         raise KeyboardInterrupt
@@ -321,11 +321,11 @@ def test_the_rust_call_guard_passes_interrupts_and_keeps_other_output(capfd):
         raise Exception("bad\n input")  # what the library raises for a file it cannot use
 
     with pytest.raises(KeyboardInterrupt):
-        _call_rust(GenerationError, interrupted)
-    assert _call_rust(GenerationError, warns) == 7 and _call_rust(GenerationError, warns) == 7
+        call_rust(GenerationError, interrupted)
+    assert call_rust(GenerationError, warns) == 7 and call_rust(GenerationError, warns) == 7
     assert capfd.readouterr().err == "a warning\n" * 2  # written while fd 2 was borrowed, then passed on
     with pytest.raises(GenerationError, match="^bad input$"):  # on one line
-        _call_rust(GenerationError, fails)
+        call_rust(GenerationError, fails)
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"  # fd 2 is stderr again
 
