@@ -50,6 +50,16 @@ def run_in_threads(*targets) -> list:
     return outcomes
 
 
+def alternate(streams) -> list[list[int]]:
+    """Every stream's token ids, taking one piece from each in turn in one thread."""
+    tokens = [[] for _ in streams]
+    for pieces in itertools.zip_longest(*streams):
+        for got, piece in zip(tokens, pieces):
+            if piece is not None and piece.token_id is not None:
+                got.append(piece.token_id)
+    return tokens
+
+
 class QueueCheckingBackend:
     """A NumpyBackend whose next_tokens generators fail, as the CUDA backend's queued step would go
     wrong, when resumed after another request's call into the backend."""
@@ -93,11 +103,7 @@ def test_streams_in_several_threads_take_turns_step_by_step(model_path, alone):
         assert run_in_threads(*[lambda p=p: consume(p) for p in PROMPTS]) == alone
         # and in one thread, alternating: each switch drops the other's queued work
         streams = [engine.stream(p, max_new_tokens=STEPS, stop_token_ids=[]) for p in PROMPTS[:2]]
-        tokens = [[], []]
-        for pair in itertools.zip_longest(*streams):
-            for got, piece in zip(tokens, pair):
-                if piece is not None and piece.token_id is not None:
-                    got.append(piece.token_id)
+        tokens = alternate(streams)
         assert tokens == alone[:2]
         assert engine.allocator.num_free == engine.allocator.num_pages
 
@@ -107,11 +113,7 @@ def test_interleaved_speculative_streams_resume_from_their_last_chosen_token(mod
     running in between makes the first one start its passes again from the last token it chose."""
     with Engine(model_path, backend="numpy") as engine:
         streams = [engine.stream(p, max_new_tokens=STEPS, stop_token_ids=[], speculate=4) for p in PROMPTS[:2]]
-        tokens = [[], []]
-        for pair in itertools.zip_longest(*streams):
-            for got, piece in zip(tokens, pair):
-                if piece is not None and piece.token_id is not None:
-                    got.append(piece.token_id)
+        tokens = alternate(streams)
         assert tokens == alone[:2]
         assert engine.allocator.num_free == engine.allocator.num_pages
 
