@@ -12,6 +12,7 @@ import pytest
 
 from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
+from nanoqwen.errors import ConfigError
 from nanoqwen.cuda.attention import check_config, decode_splits, random_paged_cache, relative_error, split_pages
 from nanoqwen.random_model import QWEN25_CODER_7B
 
@@ -50,8 +51,12 @@ def test_decode_grid_fills_the_gpu_but_never_exceeds_the_pages():
 def test_unsupported_shapes_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="head_dim"):
         check_config(shape(8, 2, 48))
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ConfigError, match="head_dim"):
         check_config(shape(2, 1, 256))
+    with pytest.raises(ConfigError, match="at most 16 query heads per KV head"):
+        check_config(shape(20, 1, 64))
+    check_config(shape(16, 1, 64))  # the widest grouping the decode kernel holds
+    check_config(shape(4, 4, 64))  # no grouping at all
 
 
 def test_random_cache_poisons_every_row_the_sequence_does_not_own():

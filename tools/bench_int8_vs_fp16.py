@@ -48,6 +48,7 @@ from nanoqwen.book.int8_study import (
     synthetic_activations,
 )
 from nanoqwen.cuda.int8 import Int8Gemv, int4_int8_linear, quantize_activations_int8
+from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import Int4Linear
 from nanoqwen.quant import tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
@@ -194,18 +195,14 @@ class GraphTimer:
         return graph
 
     def time(self, graph, calls: int) -> list[float]:
-        cp, stream = self.cp, self.stream
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        per_call = []
-        for _ in range(self.replays):
+        stream = self.stream
+
+        def spin():
             with stream:
                 self.spin((1,), (1,), (np.int64(SPIN_CYCLES),))
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            per_call.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / calls)
-        return per_call
+
+        return [ms * 1e3 / calls for ms in gpu_times_ms(stream, lambda: graph.launch(stream), self.replays,
+                                                        warmup=0, prepare=spin)]
 
 
 def summary(rounds: list[list[float]]) -> dict:
@@ -222,16 +219,9 @@ def measure_copy(cp, stream, timer) -> dict:
     src = cp.random.random(COPY_BYTES // 4, dtype=cp.float32)
     dst = cp.empty_like(src)
     cp.cuda.Device().synchronize()  # src is written on the null stream, copied on `stream`
-    times = []
-    with stream:
-        for i in range(3 + 2 * timer.replays):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES, 3, stream.ptr)  # 3: device to device
-            end.record(stream)
-            end.synchronize()
-            if i >= 3:
-                times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    times = [ms * 1e3 for ms in gpu_times_ms(
+        stream, lambda d=dst, s=src: cp.cuda.runtime.memcpyAsync(d.data.ptr, s.data.ptr, COPY_BYTES, 3, stream.ptr),  # 3: device to device
+        2 * timer.replays, warmup=3)]
     if not bool((dst == src).all()):
         raise RuntimeError("the device-to-device copy did not copy")
     median_us = float(np.median(times))

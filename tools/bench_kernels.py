@@ -33,6 +33,7 @@ from nanoqwen.cuda.abi import ARGMAX_THREADS, LM_HEAD_THREADS, RMS_CLUSTER
 from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks, set_carveout
 from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, block_threads, gemv_launch, projection_splits
 from nanoqwen.cuda.sampler import sampler_settings
+from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.quant import tile_int4
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.random_model import QWEN25_CODER_7B
@@ -64,16 +65,7 @@ def median_launch_seconds(cp, launch, copies: int) -> float:
             launch(i % copies)
         graph = stream.end_capture()
         graph.upload(stream)
-        graph.launch(stream)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(RUNS):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / launches)
-    return float(np.median(times))
+    return gpu_ms(stream, lambda: graph.launch(stream), RUNS) / 1e3 / launches
 
 
 def copy_bandwidth(cp) -> float:
@@ -83,17 +75,10 @@ def copy_bandwidth(cp) -> float:
     src = cp.random.random(COPY_BYTES // 8)
     dst = cp.empty_like(src)
     stream = cp.cuda.get_current_stream()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for run in range(3 + RUNS):
-        start.record(stream)
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                    stream.ptr)
-        end.record(stream)
-        end.synchronize()
-        if run >= 3:
-            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return 2 * src.nbytes / float(np.median(times))
+    ms = gpu_ms(stream, lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                                           cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr),
+                RUNS, warmup=3)
+    return 2 * src.nbytes / (ms / 1e3)
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:

@@ -52,6 +52,7 @@ from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.book.broken_attention import BrokenPagedAttention
 from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
+from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.random_model import QWEN25_CODER_7B
 
 
@@ -352,34 +353,17 @@ def time_graph(cp, launch, count: int, replays: int = 15) -> float:
         for i in range(count):
             launch(i, stream)
         graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(replays):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) / count)
-    return float(np.median(times))
+    return gpu_ms(stream, lambda: graph.launch(stream), replays) / count
 
 
 def copy_bandwidth(cp) -> dict:
     nbytes = 2 << 30
     a = cp.random.random(nbytes // 4, dtype=cp.float32)
     b = cp.empty_like(a)
-    times = []
-    for i in range(12):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                    cp.cuda.get_current_stream().ptr)
-        stop.record()
-        stop.synchronize()
-        if i >= 2:
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-    ms = float(np.median(times))
+    stream = cp.cuda.get_current_stream()
+    ms = gpu_ms(stream, lambda: cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes,
+                                                           cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr),
+                repeats=10, warmup=2)
     return dict(bytes_moved=2 * nbytes, ms=ms, tb_per_s=2 * nbytes / ms / 1e9)
 
 

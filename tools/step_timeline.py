@@ -34,6 +34,7 @@ from nanoqwen.byte_floor import READ_BANDWIDTH, bytes_per_token, kernel_bytes
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS as PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
+from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import load
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
@@ -88,13 +89,7 @@ def record_steps(backend, page_table, modules, launches: int, steps: int):
     cp.cuda.Device().synchronize()
     counters.fill(0)
     cp.cuda.Device().synchronize()
-    for _ in range(steps):
-        begin, end = cp.cuda.Event(), cp.cuda.Event()
-        begin.record(stream)
-        graph.launch()
-        end.record(stream)
-        end.synchronize()
-        step_ns.append(cp.cuda.get_elapsed_time(begin, end) * 1e6)
+    step_ns += [ms * 1e6 for ms in gpu_times_ms(stream, graph.launch, steps, warmup=0)]
     taken = counters.get().tolist()
     if taken != [steps * launches] * 2:
         raise RuntimeError(f"{taken} starts and wait returns recorded, expected {steps} steps x {launches} launches")

@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import PAGE_SIZE, ModelConfig
+from ..errors import ConfigError
+from .abi import kernel_int
 from . import build as cuda_build
 from .launch import StepKernel
 
@@ -40,16 +42,22 @@ __all__ = [
 ]
 
 KERNEL_FILE = "paged_attention.cu"
+MAX_GQA = kernel_int("paged_attention.cu", "DECODE_HEAD_ROWS")  # query heads one KV head's MMA rows hold
 DECODE_BLOCKS_PER_SM = 2  # the decode kernel's __launch_bounds__ minimum
 PREFILL_TOKENS = 16  # query rows per prefill block (kernels/paged_attention.cu PREFILL_TOKENS)
 
 
 def check_config(config: ModelConfig) -> None:
-    """Refuse shapes the kernels are not built for, naming the reason."""
+    """Refuse, at load and naming the reason, shapes the CUDA kernels are not built for (the
+    NumPy backend runs them all)."""
     if config.head_dim % 32 or config.head_dim > 128:
-        raise ValueError(f"paged attention needs head_dim a multiple of 32 up to 128, got {config.head_dim}")
+        raise ConfigError(f"the CUDA backend's paged attention needs head_dim a multiple of 32 up to 128, "
+                          f"got {config.head_dim} (the numpy backend runs it)")
     if config.num_heads % config.num_kv_heads:
-        raise ValueError(f"num_heads={config.num_heads} is not a multiple of num_kv_heads={config.num_kv_heads}")
+        raise ConfigError(f"num_heads={config.num_heads} is not a multiple of num_kv_heads={config.num_kv_heads}")
+    if config.num_heads // config.num_kv_heads > MAX_GQA:
+        raise ConfigError(f"the CUDA backend's decode attention serves at most {MAX_GQA} query heads per KV head, "
+                          f"got {config.num_heads // config.num_kv_heads} (the numpy backend runs it)")
 
 
 def decode_splits(num_kv_heads: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = DECODE_BLOCKS_PER_SM) -> int:

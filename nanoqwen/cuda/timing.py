@@ -14,15 +14,19 @@ import statistics
 from collections.abc import Callable
 
 
-def gpu_times_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+def gpu_times_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1,
+                 prepare: Callable[[], object] | None = None) -> list[float]:
     """Milliseconds of GPU time of each of `repeats` calls of `issue()` (which enqueues work on
-    `stream`), after `warmup` calls that are not timed."""
+    `stream`), after `warmup` calls that are not timed. `prepare()`, when given, enqueues untimed
+    work before each timed call (a kernel that keeps the GPU busy while the host queues the next)."""
     import cupy as cp
 
     for _ in range(warmup):
         issue()
     times = []
     for _ in range(repeats):
+        if prepare is not None:
+            prepare()
         begin, end = cp.cuda.Event(), cp.cuda.Event()
         begin.record(stream)
         issue()
@@ -32,6 +36,7 @@ def gpu_times_ms(stream, issue: Callable[[], object], repeats: int, warmup: int 
     return times
 
 
-def gpu_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def gpu_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1,
+           prepare: Callable[[], object] | None = None) -> float:
     """The median of `gpu_times_ms`."""
-    return statistics.median(gpu_times_ms(stream, issue, repeats, warmup))
+    return statistics.median(gpu_times_ms(stream, issue, repeats, warmup, prepare))
