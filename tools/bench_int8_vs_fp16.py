@@ -48,7 +48,11 @@ from nanoqwen.book.int8_study import (
     synthetic_activations,
 )
 from nanoqwen.cuda.int8 import Int8Gemv, int4_int8_linear, quantize_activations_int8
+from nanoqwen.cuda.backend import CudaBackend
+from nanoqwen.cuda.device import fit_gemv_rings
+from nanoqwen.cuda.plan import GATE_UP_SPLITS, gemv_launch, projection_splits
 from nanoqwen.cuda.timing import gpu_times_ms
+from nanoqwen.cuda.weights import DeviceLinear
 from nanoqwen.loader import Int4Linear
 from nanoqwen.quant import tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
@@ -235,20 +239,17 @@ def measure_copy(cp, stream, timer) -> dict:
 
 def path_b_kernels(cp):
     """The engine's GEMV kernels, compiled as the engine compiles them; (None, why) if absent."""
-    try:
-        from nanoqwen.cuda import backend as backend_cuda
-        from nanoqwen.cuda import build
+    from nanoqwen.cuda import build
 
+    try:
         module = build.compile_module(CONFIG, files=("gemv_int4.cu",))
-        kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
-                   for w in ("hidden", "q_dim", "intermediate")}
-        kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")
-        for needed in ("projection_splits", "DeviceLinear", "CudaBackend", "gemv_launch", "NULL"):
-            getattr(backend_cuda, needed)
-    except Exception as exc:  # not written yet, renamed, or does not compile
+    except Exception as exc:  # the kernel file does not compile here
         return None, f"{type(exc).__name__}: {exc}"
-    ring_bytes = {name: backend_cuda.fit_gemv_rings(function, module, name) for name, function in kernels.items()}
-    return types.SimpleNamespace(kernels=kernels, backend_cuda=backend_cuda, ring_bytes=ring_bytes), None
+    kernels = {f"gemv_int4_from_{w}": module.get_function(f"gemv_int4_from_{w}")
+               for w in ("hidden", "q_dim", "intermediate")}
+    kernels["gemv_int4_gate_up_silu"] = module.get_function("gemv_int4_gate_up_silu")
+    ring_bytes = {name: fit_gemv_rings(function, module, name) for name, function in kernels.items()}
+    return types.SimpleNamespace(kernels=kernels, ring_bytes=ring_bytes), None
 
 
 class PathB:
@@ -257,15 +258,14 @@ class PathB:
     copy of the weights in the engine's tiled layout."""
 
     def __init__(self, cp, path_b, shape: str, width: str, qweight, scales, num_sms: int):
-        bc = path_b.backend_cuda
         n, k = qweight.shape[0], qweight.shape[1] * 8
-        splits = bc.projection_splits(PROJECTION_OF[shape], n, k, num_sms, CONFIG.group_size)
-        self.linear = bc.DeviceLinear(qweight=tile_int4(qweight, xp=cp), scales=scales, bias=None, bias32=None,
+        splits = projection_splits(PROJECTION_OF[shape], n, k, num_sms, CONFIG.group_size)
+        self.linear = DeviceLinear(qweight=tile_int4(qweight, xp=cp), scales=scales, bias=None, bias32=None,
                                       out_features=n, in_features=k, splits=splits)
         self.kernel_name = f"gemv_int4_from_{width}"
         self.out = cp.empty(n, dtype=cp.float32)
         self._launcher = types.SimpleNamespace(kernels=path_b.kernels, gemv_ring_bytes=path_b.ring_bytes)
-        self._gemv = bc.CudaBackend._gemv
+        self._gemv = CudaBackend._gemv
 
     def __call__(self, x) -> None:
         self._gemv(self._launcher, self.kernel_name, self.linear, x, self.out)
@@ -273,9 +273,8 @@ class PathB:
 
 def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
     """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
-    bc = path_b.backend_cuda
     name = "gemv_int4_gate_up_silu"
-    grid, block, shared_mem = bc.gemv_launch(name, CONFIG.intermediate_size, bc.GATE_UP_SPLITS, path_b.ring_bytes[name])
+    grid, block, shared_mem = gemv_launch(name, CONFIG.intermediate_size, GATE_UP_SPLITS, path_b.ring_bytes[name])
     path_b.kernels[name](grid, block, (qweight, scales, x, h), shared_mem=shared_mem)
 
 
