@@ -51,21 +51,26 @@ SOURCES = {
     "ARGMAX_THREADS": "sampler.cu", "TOP_K_MAX": "sampler.cu",
 }
 
-STATE_TOKEN = kernel_int("common.cuh", "STATE_TOKEN")  # offsets into the decode state (int32)
-STATE_POSITION = kernel_int("common.cuh", "STATE_POSITION")
-STATE_SEQ_LEN = kernel_int("common.cuh", "STATE_SEQ_LEN")
-STATE_STATUS = kernel_int("common.cuh", "STATE_STATUS")
-STATE_PAGE_TABLE = kernel_int("common.cuh", "STATE_PAGE_TABLE")  # the head before it: token .. status
-STATUS_NOT_FINITE = kernel_int("common.cuh", "STATUS_NOT_FINITE")  # values of state[STATE_STATUS] besides 0
-STATUS_HOST_DRAWS = kernel_int("common.cuh", "STATUS_HOST_DRAWS")
-ELEMENTWISE_THREADS = kernel_int("common.cuh", "ELEMENTWISE_THREADS")
-TILE_ROWS = kernel_int("gemv_int4.cu", "TILE_ROWS")
-GEMV_MAX_SPLITS = kernel_int("gemv_int4.cu", "SPLIT_K_MAX_WARPS")  # warps of a split-K GEMV block
-GATE_UP_MAX_SPLITS = kernel_int("gemv_int4.cu", "GATE_UP_MAX_SPLITS")  # warps of a gate+up block
-RMS_CLUSTER = kernel_int("rmsnorm.cu", "RMS_CLUSTER")  # blocks of add_rmsnorm_cluster's clusters
-LM_HEAD_THREADS = kernel_int("lm_head.cu", "LM_THREADS")
-ARGMAX_THREADS = kernel_int("sampler.cu", "ARGMAX_THREADS")
-TOP_K_MAX = kernel_int("sampler.cu", "TOP_K_MAX")  # the largest top-k the device sampler applies
+
+def _source(name: str) -> int:
+    return kernel_int(SOURCES[name], name)
+
+
+STATE_TOKEN = _source("STATE_TOKEN")  # offsets into the decode state (int32)
+STATE_POSITION = _source("STATE_POSITION")
+STATE_SEQ_LEN = _source("STATE_SEQ_LEN")
+STATE_STATUS = _source("STATE_STATUS")
+STATE_PAGE_TABLE = _source("STATE_PAGE_TABLE")  # the head before it: token .. status
+STATUS_NOT_FINITE = _source("STATUS_NOT_FINITE")  # values of state[STATE_STATUS] besides 0
+STATUS_HOST_DRAWS = _source("STATUS_HOST_DRAWS")
+ELEMENTWISE_THREADS = _source("ELEMENTWISE_THREADS")
+TILE_ROWS = _source("TILE_ROWS")
+GEMV_MAX_SPLITS = _source("SPLIT_K_MAX_WARPS")  # warps of a split-K GEMV block
+GATE_UP_MAX_SPLITS = _source("GATE_UP_MAX_SPLITS")  # warps of a gate+up block
+RMS_CLUSTER = _source("RMS_CLUSTER")  # blocks of add_rmsnorm_cluster's clusters
+LM_HEAD_THREADS = _source("LM_THREADS")
+ARGMAX_THREADS = _source("ARGMAX_THREADS")
+TOP_K_MAX = _source("TOP_K_MAX")  # the largest top-k the device sampler applies
 
 if TILE_ROWS != HOST_TILE_ROWS:
     raise ImportError(f"kernels/gemv_int4.cu tiles {TILE_ROWS} rows, nanoqwen/quant.py {HOST_TILE_ROWS}")
