@@ -46,6 +46,7 @@
 // order through shared memory, and the block writes each row once, in fp32. No atomics: the
 // result is deterministic, and the next kernel reads one finished vector instead of adding
 // partial sums from L2 on the decode step's critical path.
+#pragma once  // verify.cu includes it too, for its multi-row kernels
 #include "common.cuh"
 
 constexpr int TILE_ROWS = 16;  // rows of a weight tile (nanoqwen/quant.py, tile_int4, lays them out)
@@ -143,6 +144,20 @@ struct GemvRing {
   uint4 x[STAGES][X_PIECES_PER_GROUP];
 };
 
+// A verify pass (kernels/verify.cu) multiplies up to TOKENS rows of x at once: the MMA's 8
+// columns, which decode fills with copies of its one x, then hold 8 different tokens, so every
+// weight that reaches a warp serves all of them. Lane (g, t) supplies column g's x and gets back
+// rows g and g + 8 of columns 2t and 2t + 1 (d[0], d[1]: row g; d[2], d[3]: row g + 8); more than
+// 8 tokens take one MMA per block of 8 columns from the same unpacked weights. Each column is
+// computed from the same A fragment and the same x as decode's, with the same group order, so a
+// token's sums are decode's bits (tests/test_verify_cuda.py).
+constexpr int MMA_COLUMNS = 8;
+// Accumulators per tile of a lane: decode's rows g and g + 8, or d[0..3] per block of 8 tokens.
+__host__ __device__ constexpr int gemv_accumulators(int tokens) { return tokens == 1 ? 2 : 4 * ((tokens + MMA_COLUMNS - 1) / MMA_COLUMNS); }
+// A verify ring's x holds each token's group in X_PIECES_PER_GROUP + 1 pieces: the padding moves
+// token g + 1's pieces one bank group along, so lanes of different g read without conflicts.
+constexpr int X_TOKEN_PIECES = X_PIECES_PER_GROUP + 1;
+
 // A GEMV block's dynamic shared memory: one GemvRing per warp.
 extern __shared__ __align__(16) unsigned char gemv_shared[];
 
@@ -188,17 +203,22 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // requested whole before the wait and no slot is refilled: nothing of the weights is left to ask
 // for once x has arrived.
 // `ring` is this warp's own.
-template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false>
+// With TOKENS > 1 (a verify pass) x is `tokens` rows of K, `x_ring` holds STAGES slots of
+// tokens x X_TOKEN_PIECES pieces, and acc[tile] holds gemv_accumulators(TOKENS) sums (see
+// MMA_COLUMNS); decode passes TOKENS = 1, its ring's x and tokens = 1.
+template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false, int TOKENS = 1>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* tile_scales, const int (&scale_rows)[2],
                                               const unsigned short* x, const int (&rows)[TILES][2],
-                                              int group_begin, int group_end, GemvRing<STAGES, TILES>& ring,
-                                              float (&acc)[TILES][2]) {
+                                              int group_begin, int group_end,
+                                              uint4 (&weight_ring)[STAGES][TILES][2][WARP_SIZE], uint4* x_ring,
+                                              int tokens, float (&acc)[TILES][gemv_accumulators(TOKENS)]) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
-  auto& weight_ring = ring.weights;
-  auto& x_ring = ring.x;
-  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
+  constexpr bool ROWS = TOKENS > 1;
+  const int lane = threadIdx.x % WARP_SIZE, t = lane % 4, g = lane / 4;
+  // x pieces per slot and per token in the ring: decode's one token takes X_PIECES_PER_GROUP.
+  const int slot_pieces = ROWS ? tokens * X_TOKEN_PIECES : X_PIECES_PER_GROUP;
   const int count = group_end - group_begin;
   // AHEAD: a range that fits the ring is requested whole before the wait, no slot refilled.
   const bool all_ahead = AHEAD && count <= STAGES;
@@ -222,6 +242,19 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
     }
   }
   const unsigned short* x_source = x + group_begin * NQ_GROUP_SIZE + 8 * lane;  // lanes < 16 copy x
+  // Copy group `i`'s x into slot `slot`: decode's 16 pieces by lanes 0-15, a verify pass's
+  // tokens x 16 pieces by every lane in turn.
+  auto fetch_x = [&](int i, int slot) {
+    if constexpr (ROWS) {
+      for (int p = lane; p < tokens * X_PIECES_PER_GROUP; p += WARP_SIZE) {
+        const int token = p / X_PIECES_PER_GROUP, piece = p % X_PIECES_PER_GROUP;
+        copy_async_16B(x_ring + slot * slot_pieces + token * X_TOKEN_PIECES + piece,
+                       x + (long long)token * K + (group_begin + i) * NQ_GROUP_SIZE + 8 * piece);
+      }
+    } else if (lane < X_PIECES_PER_GROUP) {
+      copy_async_16B(x_ring + slot * X_PIECES_PER_GROUP + lane, x_source + i * NQ_GROUP_SIZE);
+    }
+  };
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
   // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
@@ -235,8 +268,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
         if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scale_source[tile][r] + (i));            \
       }                                                                                                  \
     }                                                                                                    \
-    if ((WITH_X) && lane < X_PIECES_PER_GROUP)                                                           \
-      copy_async_16B(&x_ring[SLOT][lane], x_source + (i) * NQ_GROUP_SIZE);                                \
+    if (WITH_X) fetch_x((i), (SLOT));                                                                    \
   } while (0)
 
   if constexpr (!STAGED) {
@@ -260,8 +292,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   wait_for_previous_kernel();  // the weights above are no kernel's output; x is the previous one's
 #pragma unroll
   for (int u = 0; u < STAGES; ++u)
-    if ((u < STAGES - 1 || all_ahead) && u < count && lane < X_PIECES_PER_GROUP)
-      copy_async_16B(&x_ring[u][lane], x_source + u * NQ_GROUP_SIZE);
+    if ((u < STAGES - 1 || all_ahead) && u < count) fetch_x(u, u);
   copy_async_commit();
   copy_async_wait<0>();  // the prologue's groups, their x (and, STAGED, this thread's share of the scales)
   if constexpr (STAGED) __syncthreads();  // and every other thread's share: the block stages them together
@@ -275,10 +306,51 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       copy_async_commit();
       copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
       __syncwarp();                   // and so have every other lane's (x)
-      if (i < count) {  // the same for the whole warp
+      if constexpr (ROWS) {
+       if (i < count) {
+        // Verify: block c of 8 tokens gets column g from token 8 c + g (the last token's x where
+        // there are fewer: those columns are computed and dropped).
+        constexpr int BLOCKS = (TOKENS + MMA_COLUMNS - 1) / MMA_COLUMNS;
+        const uint4* slot_x = x_ring + u * slot_pieces;
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+          const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
+          const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
+          float d[BLOCKS][4] = {};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            unsigned int p0[4], p1[4];
+            unpack_int4_word(words0[j], p0);
+            unpack_int4_word(words1[j], p1);
+#pragma unroll
+            for (int c = 0; c < BLOCKS; ++c) {
+              if (c * MMA_COLUMNS >= tokens) break;  // the same for the whole warp
+              const uint4 xv = slot_x[min(c * MMA_COLUMNS + g, tokens - 1) * X_TOKEN_PIECES + 4 * t + j];
+              mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
+              mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+            }
+          }
+          unsigned short scale0, scale1;
+          if constexpr (STAGED) {
+            const unsigned short* group_scales = tile_scales + tile * TILE_ROWS * GROUPS + group_begin + i;
+            scale0 = group_scales[scale_rows[0] * GROUPS], scale1 = group_scales[scale_rows[1] * GROUPS];
+          } else {
+            scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
+          }
+          const float s0 = half_to_float(scale0), s1 = half_to_float(scale1);
+#pragma unroll
+          for (int c = 0; c < BLOCKS; ++c) {
+            acc[tile][4 * c + 0] = fmaf(s0, d[c][0], acc[tile][4 * c + 0]);
+            acc[tile][4 * c + 1] = fmaf(s0, d[c][1], acc[tile][4 * c + 1]);
+            acc[tile][4 * c + 2] = fmaf(s1, d[c][2], acc[tile][4 * c + 2]);
+            acc[tile][4 * c + 3] = fmaf(s1, d[c][3], acc[tile][4 * c + 3]);
+          }
+        }
+       }
+      } else if (i < count) {  // the same for the whole warp
         uint4 xv[4];  // this lane's 32 activations, 8 per word of the weights
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = x_ring[u][4 * t + j];
+        for (int j = 0; j < 4; ++j) xv[j] = x_ring[u * X_PIECES_PER_GROUP + 4 * t + j];
         const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
                                        {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
                                        {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
@@ -357,9 +429,9 @@ __device__ __forceinline__ float split_k_tile_row(const unsigned int* __restrict
   const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE;
   const int unused[2] = {0, 0};
   float acc[1][2] = {{0.0f, 0.0f}};
+  GemvRing<STAGES, 1>& ring = reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split];
   int4_tile_dot<K, 1, STAGES, false, AHEAD>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
-                                            (split + 1) * GROUPS / splits,
-                                            reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split], acc);
+                                            (split + 1) * GROUPS / splits, ring.weights, &ring.x[0][0], 1, acc);
   const float starts[1] = {start()};
   float total[1] = {0.0f};
   add_splits(split_sums, acc, starts, total);
@@ -505,9 +577,10 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};  // up's rows sit as gate's in their tile
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  GateUpRing& ring = reinterpret_cast<GateUpRing*>(gemv_shared)[split];
   int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES, true>(qweight, scales, tile_scales[0], scale_rows, x, rows,
                                                        split * GROUPS / splits, (split + 1) * GROUPS / splits,
-                                                       reinterpret_cast<GateUpRing*>(gemv_shared)[split], acc);
+                                                       ring.weights, &ring.x[0][0], 1, acc);
   const float start[2] = {0.0f, 0.0f};
   float total[2];  // gate's, up's
   add_splits(split_sums, acc, start, total);

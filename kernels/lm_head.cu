@@ -22,6 +22,7 @@
 // nanoqwen/sampling.py): a block that computed a NaN or +inf logit leaves NaN as its candidate
 // value, which never wins a comparison, and argmax_select_next turns any such NaN, or a best
 // logit of -inf, into state[STATE_STATUS] = STATUS_NOT_FINITE, which the host checks with the token.
+#pragma once  // verify.cu includes it too, for its multi-row kernels
 #include "common.cuh"
 #include "sampler.cuh"
 

@@ -302,23 +302,30 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 // programmatic dependent launch); seq_len and the page table, which no kernel of the step writes,
 // are read above it.
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 2)
-PA_DECODE_KERNEL(const float* q,                              // [num_heads * D] fp32, RoPE'd
+PA_DECODE_KERNEL(const float* q,                              // [rows, num_heads * D] fp32, RoPE'd
                  const unsigned short* kv,                    // one layer's pool, fp16
                  const int* __restrict__ page_table,          // [max_pages_per_seq]
-                 const int* seq_len_ptr,                      // [1] positions to attend to
-                 unsigned short* __restrict__ out,            // [num_heads * D] fp16
-                 float* __restrict__ partial_max_sum,         // [KVH, splits, GQA, 2]
-                 float* __restrict__ partial_acc) {           // [KVH, splits, GQA, D]
+                 const int* seq_len_ptr,                      // [1] positions row 0 attends to
+                 unsigned short* __restrict__ out,            // [rows, num_heads * D] fp16
+                 float* __restrict__ partial_max_sum,         // [rows, KVH, splits, GQA, 2]
+                 float* __restrict__ partial_acc) {           // [rows, KVH, splits, GQA, D]
   extern __shared__ __align__(128) unsigned char shared_raw[];
   DecodeShared& sh = *reinterpret_cast<DecodeShared*>(shared_raw);
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int split = blockIdx.x, kv_head = blockIdx.y, splits = gridDim.x;
+  // A verify pass (gridDim.z rows, one new token each) attends row r at position seq_len + r - 1,
+  // over one position more than row r - 1: causal among the new rows, each row a decode step's.
+  const int row = blockIdx.z;
+  q += (long long)row * PA_KVH * PA_GQA * PA_D;
+  out += (long long)row * PA_KVH * PA_GQA * PA_D;
+  partial_max_sum += (long long)row * PA_KVH * splits * PA_GQA * 2;
+  partial_acc += (long long)row * PA_KVH * splits * PA_GQA * PA_D;
   let_next_kernel_launch();
   // The sequence length and the page table are the step's inputs, set before the step began (by
   // the host, or by the previous step's argmax_select_next) and written by no kernel of this
   // step: the block reads them, picks its pages and sets up its barriers while rope_write_kv
   // still runs, so that after the wait the first copies and q are one round trip away.
-  const int seq_len = *seq_len_ptr;
+  const int seq_len = *seq_len_ptr + row;
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
   const int pages_per_split = (num_pages + splits - 1) / splits;
   if (seq_len <= 0 || split * pages_per_split >= num_pages) {
@@ -462,7 +469,11 @@ paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
   __shared__ float warp_max[COMBINE_WARPS], warp_sum[COMBINE_WARPS];
   __shared__ float4 warp_acc[COMBINE_WARPS][WARP_SIZE];
   let_next_kernel_launch();
-  const int seq_len = *seq_len_ptr;  // a step input, as in the decode kernel: read before the wait
+  const int row = blockIdx.z;  // a verify pass's row, as in the decode kernel
+  partial_max_sum += (long long)row * PA_KVH * splits * PA_GQA * 2;
+  partial_acc += (long long)row * PA_KVH * splits * PA_GQA * PA_D;
+  out += (long long)row * PA_KVH * PA_GQA * PA_D;
+  const int seq_len = *seq_len_ptr + row;  // a step input, as in the decode kernel: read before the wait
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
   const int pages_per_split = (num_pages + splits - 1) / splits;
   wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's

@@ -5,6 +5,7 @@
 // advances the decode state for the next step and stores the state's head where the host reads
 // it. Reference: nanoqwen/sampling.py (sample, nucleus, most_likely_first).
 //
+#pragma once  // verify.cu includes it too, for its multi-row kernels
 #include "common.cuh"
 #include "sampler.cuh"
 

@@ -257,6 +257,8 @@ class Engine:
         if speculate and not callable(getattr(self.backend, "verify", None)):
             raise GenerationError(f"speculate={speculate} needs a backend with a verify pass, and the "
                                   f"{self.backend.name} backend has none: use backend 'numpy' or speculate=0")
+        if speculate and getattr(self.backend, "verify_refusal", None):
+            raise GenerationError(f"speculate={speculate}: {self.backend.verify_refusal}; use speculate=0")
         if stop_token_ids is None:
             stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
         else:

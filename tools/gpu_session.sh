@@ -6,6 +6,7 @@
 #   bash tools/gpu_session.sh records  compute-sanitizer over a whole generation, the kernels one at a
 #                                      time, the check against transformers at every size
 #   bash tools/gpu_session.sh sizes    the decode speed at every size
+#   bash tools/gpu_session.sh speculative  the verify pass's tests, then its costs and acceptance
 #   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
 #                                      nbval, jupytext and their dependencies: book/running.md)
 set -u
@@ -14,7 +15,7 @@ OUT=${OUT:-/tmp/nanoqwen-out}
 mkdir -p "$OUT"
 MODEL_7B=/tmp/qwen2.5-coder-7b-random.nanoqwen
 GPU_TESTS="tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
-           tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py"
+           tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py tests/test_verify_cuda.py"
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --noconftest -o addopts="
 status=()
 step() {  # step NAME SECONDS COMMAND...
@@ -42,6 +43,10 @@ case "${1:-checks}" in
     step "kernels one at a time" 120 python3 tools/bench_kernels.py --out "$OUT/kernels-h200.md" --json "$OUT/kernels-h200.json"
     step "check by size" 400 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200" \
       --presets qwen2.5-coder-14b qwen2.5-coder-32b qwen2.5-coder-7b qwen2.5-coder-0.5b qwen2.5-coder-1.5b qwen2.5-coder-3b
+    ;;
+  speculative)
+    step "verify tests" 200 $PYTEST tests/test_verify_cuda.py -x
+    step "speculative record" 300 python3 tools/bench_speculative.py --out "$OUT/speculative-h200"
     ;;
   sizes)
     step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"

@@ -119,6 +119,18 @@ class PagedAttention:
         # Each split's share: running max and sum per head, and the unnormalized weighted V.
         self.partial_max_sum = cp.empty((kvh, self.splits, self.gqa, 2), dtype=cp.float32)
         self.partial_acc = cp.empty((kvh, self.splits, self.gqa, d), dtype=cp.float32)
+        self.rows_reserved = 1
+
+    def reserve_rows(self, rows: int) -> None:
+        """Make room for `decode` of up to `rows` rows at once (a verify pass): each row keeps its
+        own splits' partials. Call it before a graph capture, which must not allocate."""
+        if rows > self.rows_reserved:
+            import cupy as cp
+
+            c = self.config
+            self.partial_max_sum = cp.empty((rows, c.num_kv_heads, self.splits, self.gqa, 2), dtype=cp.float32)
+            self.partial_acc = cp.empty((rows, c.num_kv_heads, self.splits, self.gqa, c.head_dim), dtype=cp.float32)
+            self.rows_reserved = rows
 
     # ------------------------------------------------------------------ checks
 
@@ -140,16 +152,21 @@ class PagedAttention:
 
     # ------------------------------------------------------------------ launches
 
-    def decode(self, q, kv_layer, page_table, seq_len, out, stream=None) -> None:
-        """Attention of one new token over the `seq_len[0]` cached positions (its own included).
+    def decode(self, q, kv_layer, page_table, seq_len, out, stream=None, rows: int = 1) -> None:
+        """Attention of one new token over the `seq_len[0]` cached positions (its own included);
+        with `rows` (a verify pass, at most `rows_reserved`), of q [rows, q_dim]: row r is the token
+        at position seq_len[0] - 1 + r and attends over seq_len[0] + r positions.
 
         Launch configuration and arguments do not depend on the sequence length: capture-safe.
         """
         import cupy as cp
 
         q_dim = self.config.q_dim
-        self._check("q", q, "float32", (q_dim,))
-        self._check("out", out, "float16", (q_dim,))
+        if not 1 <= rows <= self.rows_reserved:
+            raise ValueError(f"rows must be in 1..{self.rows_reserved} (reserve_rows), got {rows!r}")
+        shape = (rows * q_dim,) if q.ndim == 1 else (rows, q_dim)
+        self._check("q", q, "float32", shape)
+        self._check("out", out, "float16", shape)
         self._check("seq_len", seq_len, "int32", (1,))
         self._check_pool(kv_layer)
         if page_table.dtype.name != "int32" or page_table.ndim != 1:
@@ -162,12 +179,12 @@ class PagedAttention:
         with stream if stream is not None else cp.cuda.get_current_stream():
             kvh = self.config.num_kv_heads
             self._decode(
-                (self.splits, kvh), (self.decode_threads,),
+                (self.splits, kvh, rows), (self.decode_threads,),
                 (q, kv_layer, page_table, seq_len, out, self.partial_max_sum, self.partial_acc),
                 shared_mem=self.decode_smem,
             )
             self._combine(
-                (self.gqa, kvh), (self.combine_threads,),
+                (self.gqa, kvh, rows), (self.combine_threads,),
                 (seq_len, self.partial_max_sum, self.partial_acc, np.int32(self.splits), out),
             )
 

@@ -47,6 +47,7 @@ from .pipeline import TokenPipeline
 from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
+from .verify import VERIFY_KERNELS, VerifyPass
 from .weights import PREFILL_WEIGHTS, WeightUpload
 
 ACTIVATIONS = ("fp16", "int8")
@@ -65,7 +66,7 @@ def _default_attention():
     return PagedAttention
 
 
-class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill):
+class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
@@ -125,8 +126,10 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill):
                 "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
+                *VERIFY_KERNELS, "lm_head_logits_rows", "verify_select",
             )
         }
+        self._init_verify(module)
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
         for name, percent in GEMV_CARVEOUT_PERCENT.items():
             set_carveout(self.kernels[name], percent)

@@ -53,6 +53,7 @@ class GraphOption:
         if getattr(backend, self.attribute, None) != enabled:
             setattr(backend, self.attribute, enabled)
             backend._graph = None
+            backend._verify_graphs = {}
 
 
 class DecodeStep:

@@ -1,0 +1,344 @@
+// verify.cu: the decode step for several tokens at once, reading each weight once for all of them.
+//
+// Reference: nanoqwen/reference/backend.py, NumpyBackend.verify_logits: rows [token, *drafts] at
+// consecutive positions, each row what a decode step computes at its position.
+//
+// A speculative verify pass runs `tokens` rows (the last accepted token and its drafts, at most
+// VERIFY_ROWS) through the layers. At batch 1 every decode kernel streams its weights and does
+// two FLOPs per weight, so the same stream can multiply several rows for nearly the same time:
+// the kernels here are decode's (gemv_int4.cu, lm_head.cu, sampler.cu), each with a token
+// dimension. Every row is computed with decode's arithmetic in decode's order (the same split-K
+// ranges and split order, the same MMA inputs per column, the same per-lane FMA chains in the
+// lm_head), so a row's logits, and so its token, are the bits a decode step at that position
+// gives: greedy and sampled speculation make plain decoding's tokens exactly.
+//
+// The rest of the pass needs no kernel of its own: add_rmsnorm_cluster and embed_tokens already
+// take a row per cluster or block, and paged_attention_decode takes the rows in gridDim.z.
+#include "gemv_int4.cu"
+#include "lm_head.cu"
+#include "sampler.cu"
+
+constexpr int VERIFY_ROWS = 17;  // the most rows of a pass: nanoqwen.speculative.MAX_DRAFTS + 1
+NQ_EXPORT_INT(VERIFY_ROWS)
+// Ring depth of the verify GEMVs. Each slot holds the tile's kilobyte of weights and every token's
+// 256 bytes of x, so the ring is sized at launch for the pass's tokens (verify_ring_bytes); at 17
+// rows a block of 16 split-K warps (the small models' q|k|v) fits two slots in an SM's 227 KB.
+constexpr int VERIFY_STAGES = 2;
+NQ_EXPORT_INT(VERIFY_STAGES)
+NQ_EXPORT_INT(X_TOKEN_PIECES)
+
+// One warp's ring of a verify GEMV, in the block's dynamic shared memory after the rings of the
+// warps before it: TILES KB of weights per slot, then STAGES slots of x.
+template <int TILES>
+__device__ __forceinline__ int verify_ring_bytes(int tokens) {
+  return VERIFY_STAGES * (TILES * 2 * WARP_SIZE * 16 + tokens * X_TOKEN_PIECES * 16);
+}
+
+template <int TILES>
+struct VerifyRing {
+  uint4 (&weights)[VERIFY_STAGES][TILES][2][WARP_SIZE];
+  uint4* x;
+};
+
+template <int TILES>
+__device__ __forceinline__ VerifyRing<TILES> verify_ring(int warp, int tokens) {
+  unsigned char* base = gemv_shared + warp * verify_ring_bytes<TILES>(tokens);
+  return {*reinterpret_cast<uint4(*)[VERIFY_STAGES][TILES][2][WARP_SIZE]>(base),
+          reinterpret_cast<uint4*>(base + VERIFY_STAGES * TILES * 2 * WARP_SIZE * 16)};
+}
+
+// Each warp's split sums into split_sums[split][tile][token][row of the tile], from the MMA
+// layout int4_tile_dot leaves (lane (g, t), block c: tokens 8 c + 2 t and 8 c + 2 t + 1 of rows g
+// and g + 8); then one barrier.
+template <int TILES, int MAX_SPLITS>
+__device__ __forceinline__ void store_split_sums(float (&split_sums)[MAX_SPLITS][TILES][VERIFY_ROWS][TILE_ROWS],
+                                                 const float (&acc)[TILES][gemv_accumulators(VERIFY_ROWS)],
+                                                 int tokens) {
+  const int split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int m = 0; m < TILES; ++m) {
+#pragma unroll
+    for (int c = 0; c < gemv_accumulators(VERIFY_ROWS) / 4; ++c) {
+#pragma unroll
+      for (int column = 0; column < 2; ++column) {
+        const int token = c * MMA_COLUMNS + 2 * t + column;
+        if (token < tokens) {
+          split_sums[split][m][token][g] = acc[m][4 * c + column];
+          split_sums[split][m][token][g + 8] = acc[m][4 * c + 2 + column];
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Row `row` of tile `m` for `token`: begun from `start`, the splits added in split order, as
+// add_splits (gemv_int4.cu) adds decode's.
+template <int TILES, int MAX_SPLITS>
+__device__ __forceinline__ float split_total(const float (&split_sums)[MAX_SPLITS][TILES][VERIFY_ROWS][TILE_ROWS],
+                                             int m, int token, int row, float start) {
+  const int splits = blockDim.x / WARP_SIZE;
+  float total = split_sums[0][m][token][row] + start;
+  for (int s = 1; s < splits; ++s) total += split_sums[s][m][token][row];
+  return total;
+}
+
+// Every (token, row) of a block's tile once: entry e is token e / 16, row e % 16. A whole block
+// runs the same passes, so the 16 entries of a token sit in one half-warp (the RoPE partner
+// shuffle relies on it).
+#define NQ_FOR_TILE_ENTRIES(e, tokens) \
+  for (int e##_base = 0; e##_base < (tokens) * TILE_ROWS; e##_base += blockDim.x)
+
+// y[token] = W x[token] (+ bias) for `tokens` rows of x, as gemv_int4_split_k computes one.
+//   x fp16 [tokens, K], y fp32 [tokens, n_rows]; the rest as gemv_int4_split_k's.
+// grid (ceil(n_rows / 16)), block (32 splits: decode's split of this projection),
+// dynamic shared memory splits x verify_ring_bytes<1>(tokens)
+template <int K>
+__device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __restrict__ qweight,
+                                                       const unsigned short* __restrict__ scales,
+                                                       const unsigned short* __restrict__ bias,
+                                                       const unsigned short* x, float* __restrict__ y, int n_rows,
+                                                       int tokens) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][VERIFY_ROWS][TILE_ROWS];
+  let_next_kernel_launch();
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
+  const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
+  const int unused[2] = {0, 0};
+  float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
+  VerifyRing<1> ring = verify_ring<1>(split, tokens);
+  int4_tile_dot<K, 1, VERIFY_STAGES, false, false, VERIFY_ROWS>(
+      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
+      ring.weights, ring.x, tokens, acc);
+  store_split_sums(split_sums, acc, tokens);
+  NQ_FOR_TILE_ENTRIES(entry, tokens) {
+    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
+    const int row = blockIdx.x * TILE_ROWS + r;
+    if (token < tokens && row < n_rows)
+      y[(long long)token * n_rows + row] =
+          split_total(split_sums, 0, token, r, bias != nullptr ? half_to_float(bias[row]) : 0.0f);
+  }
+}
+
+#define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K)                                                                  \
+  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
+      NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
+           const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
+           int n_rows, int tokens) {                                                                       \
+    gemv_int4_rows_split_k<K>(qweight, scales, bias, x, y, n_rows, tokens);                                \
+  }
+
+NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_q_dim, NQ_Q_DIM)
+NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_intermediate, NQ_INTERMEDIATE)
+
+// gemv_int4_qkv_rope for `tokens` rows at positions positions[0] + token: each row's q rotated into
+// q_out [tokens, Q_DIM], its K and V into its page. Block and row order as gemv_int4_qkv_rope's.
+// grid (NQ_QKV_DIM / 16), block (32 splits), dynamic shared memory splits x verify_ring_bytes<1>(tokens)
+extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
+gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                        const unsigned short* __restrict__ bias, const unsigned short* x,
+                        const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                        const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
+                        float* __restrict__ q_out, int tokens) {
+  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
+  __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][VERIFY_ROWS][TILE_ROWS];
+  let_next_kernel_launch();
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;
+  const int first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  const int head_row = head_slot * NQ_HEAD_DIM;
+  const int rows[1][2] = {{head_row + rope_tile_dim(first_dim, lane / 4), head_row + rope_tile_dim(first_dim, lane / 4 + 8)}};
+  const int unused[2] = {0, 0};
+  const int first_position = positions[0];
+  float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
+  VerifyRing<1> ring = verify_ring<1>(split, tokens);
+  int4_tile_dot<NQ_HIDDEN, 1, VERIFY_STAGES, false, false, VERIFY_ROWS>(
+      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
+      ring.weights, ring.x, tokens, acc);
+  store_split_sums(split_sums, acc, tokens);
+  NQ_FOR_TILE_ENTRIES(entry, tokens) {
+    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, m = e % TILE_ROWS;
+    const bool finishes = token < tokens;
+    const int dim = rope_tile_dim(first_dim, m);
+    const float total = finishes ? split_total(split_sums, 0, token, m,
+                                               bias != nullptr ? half_to_float(bias[head_row + dim]) : 0.0f)
+                                 : 0.0f;
+    const float partner = __shfl_xor_sync(FULL_MASK, total, ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
+    if (!finishes) continue;
+    const int position = first_position + token;
+    float c, s;
+    rope_cos_sin(position, inv_freq[dim % ROPE_HALF], c, s);
+    const float rotated = rope_rotate(total, partner, c, s, m < ROPE_PAIRS_PER_TILE);
+    if (head_slot < NQ_NUM_HEADS) {
+      q_out[(long long)token * NQ_Q_DIM + head_row + dim] = rotated;
+      continue;
+    }
+    const int kv_slot = head_slot - NQ_NUM_HEADS;
+    const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
+    const long long page = page_table[position / NQ_PAGE_SIZE];
+    kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, position % NQ_PAGE_SIZE,
+                      dim)] = float_to_half(is_key ? rotated : total);
+  }
+}
+
+// gemv_int4_gate_up_silu for `tokens` rows: h [tokens, I] fp16. Scales staged as there.
+// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS), dynamic shared memory splits x verify_ring_bytes<2>(tokens)
+extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
+gemv_int4_gate_up_silu_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                            const unsigned short* x, unsigned short* __restrict__ h, int tokens) {
+  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
+  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * GROUPS];
+  __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][VERIFY_ROWS][TILE_ROWS];
+  let_next_kernel_launch();
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int first_row = blockIdx.x * TILE_ROWS, tile_rows = min(TILE_ROWS, NQ_INTERMEDIATE - first_row);
+  stage_scales(tile_scales[0], scales + (long long)first_row * GROUPS, tile_rows * GROUPS, threadIdx.x, blockDim.x);
+  stage_scales(tile_scales[1], scales + (long long)(NQ_INTERMEDIATE + first_row) * GROUPS, tile_rows * GROUPS,
+               threadIdx.x, blockDim.x);
+  const int row0 = first_row + lane / 4, row1 = row0 + 8;
+  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
+  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
+  const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};
+  float acc[2][gemv_accumulators(VERIFY_ROWS)] = {};
+  VerifyRing<2> ring = verify_ring<2>(split, tokens);
+  int4_tile_dot<NQ_HIDDEN, 2, VERIFY_STAGES, true, false, VERIFY_ROWS>(
+      qweight, scales, tile_scales[0], scale_rows, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
+      ring.weights, ring.x, tokens, acc);
+  store_split_sums(split_sums, acc, tokens);
+  NQ_FOR_TILE_ENTRIES(entry, tokens) {
+    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
+    const int row = first_row + r;
+    if (token < tokens && row < NQ_INTERMEDIATE) {
+      const float gate = split_total(split_sums, 0, token, r, 0.0f), up = split_total(split_sums, 1, token, r, 0.0f);
+      h[(long long)token * NQ_INTERMEDIATE + row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
+    }
+  }
+}
+
+// lm_head_logits for `tokens` rows of x: every weight row is loaded once and multiplied with each
+// token's x by the lane FMA chain and butterfly of scan_rows, so each logit is decode's bits. The
+// key of row j is its logit (greedy) or logit + T * gumbel(seed, position + j, id), as decode's
+// would be at that position.
+// grid (persistent), block (LM_THREADS); x fp16 [tokens, H]; logits fp32 [tokens, V];
+// candidate_values, candidate_indices [tokens, gridDim.x]; state and sampler as lm_head_logits'
+// (a sampler with top-k never reaches here: the host chooses, CudaBackend.verify);
+// dynamic shared memory tokens x H fp16
+extern "C" __global__ void __launch_bounds__(LM_THREADS, 1)
+lm_head_logits_rows(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
+                    float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,
+                    const SamplerSettings* sampler, int tokens) {
+  uint4* x_shared = reinterpret_cast<uint4*>(gemv_shared);  // [tokens][LM_PIECES]
+  __shared__ float warp_values[VERIFY_ROWS][LM_WARPS];
+  __shared__ int warp_indices[VERIFY_ROWS][LM_WARPS];
+  __shared__ unsigned int warp_non_finite[LM_WARPS];  // bit j: token j saw a NaN or +inf logit
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  let_next_kernel_launch();
+  const int first_row = blockIdx.x * LM_WARPS + warp;
+  uint4 w[LM_PIECES_PER_LANE];
+  if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
+  const double temperature = sampler == nullptr || sampler->top_k > 0 ? 0.0 : sampler->temperature;
+  unsigned int steps[VERIFY_ROWS];
+#pragma unroll
+  for (int j = 0; j < VERIFY_ROWS; ++j) steps[j] = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION] + j) : 0u;
+  wait_for_previous_kernel();
+  for (int piece = threadIdx.x; piece < tokens * LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];
+  __syncthreads();
+
+  float best_value[VERIFY_ROWS];
+  int best_index[VERIFY_ROWS];
+#pragma unroll
+  for (int j = 0; j < VERIFY_ROWS; ++j) best_value[j] = NEGATIVE_INFINITY, best_index[j] = 0;
+  unsigned int non_finite = 0;
+  const int warps_in_grid = gridDim.x * LM_WARPS;
+  for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
+    if (row != first_row) load_lm_row(weight, row, lane, w);
+#pragma unroll
+    for (int j = 0; j < VERIFY_ROWS; ++j) {
+      if (j >= tokens) break;  // the same for the whole block
+      const uint4* x_token = x_shared + j * LM_PIECES;
+      float sum = 0.0f;
+#pragma unroll
+      for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
+        if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_token[lane + p * WARP_SIZE], sum);
+      sum = warp_sum(sum);
+      if (lane == 0) logits[(long long)j * NQ_VOCAB + row] = sum;
+      if (!(sum < POSITIVE_INFINITY)) non_finite |= 1u << j;
+      const float key = temperature > 0
+                            ? (float)__dadd_rn((double)sum, __dmul_rn(temperature, gumbel_noise(steps[j], row)))
+                            : sum;
+      if (better_candidate(key, row, best_value[j], best_index[j])) {
+        best_value[j] = key;
+        best_index[j] = row;
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < VERIFY_ROWS; ++j) warp_values[j][warp] = best_value[j], warp_indices[j][warp] = best_index[j];
+    warp_non_finite[warp] = non_finite;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  unsigned int block_non_finite = lane < LM_WARPS ? warp_non_finite[lane] : 0u;
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) block_non_finite |= __shfl_xor_sync(FULL_MASK, block_non_finite, offset);
+  for (int j = 0; j < tokens; ++j) {
+    float value = lane < LM_WARPS ? warp_values[j][lane] : NEGATIVE_INFINITY;
+    int index = lane < LM_WARPS ? warp_indices[j][lane] : 0;
+    warp_argmax(value, index);
+    if (lane == 0) {
+      candidate_values[j * gridDim.x + blockIdx.x] = block_non_finite >> j & 1u ? __int_as_float(0x7fc00000) : value;
+      candidate_indices[j * gridDim.x + blockIdx.x] = index;
+    }
+  }
+}
+
+// The pass's last kernel: row j's token from its candidates (argmax_select_next's reduction), and
+// the verdict: rows are accepted up to and including the first whose token differs from the next
+// row's input (its draft). The state advances past the accepted tokens, with the last of them as
+// the next step's input, and verdict (mapped host memory) receives [accepted, status, tokens...].
+// A row with non-finite logits ends the pass with STATUS_NOT_FINITE.
+// grid (1), block (ARGMAX_THREADS); candidates [tokens, num_candidates]; row_tokens int32 [tokens]
+// (the pass's input: token, drafts); state as argmax_select_next's; verdict int32 [2 + VERIFY_ROWS]
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+verify_select(const float* candidate_values, const int* candidate_indices, int num_candidates, int tokens,
+              const int* __restrict__ row_tokens, int* __restrict__ state, int* __restrict__ verdict) {
+  __shared__ int chosen[VERIFY_ROWS];
+  let_next_kernel_launch();
+  const int position = state[STATE_POSITION], seq_len = state[STATE_SEQ_LEN];
+  wait_for_previous_kernel();
+  int accepted = 0, status = 0;
+  for (int j = 0; j < tokens; ++j) {
+    const float* values = candidate_values + (long long)j * num_candidates;
+    const int* indices = candidate_indices + (long long)j * num_candidates;
+    float value = NEGATIVE_INFINITY;
+    int index = 0;
+    bool flagged = false;
+    for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {
+      flagged |= values[c] != values[c];
+      if (better_candidate(values[c], indices[c], value, index)) {
+        value = values[c];
+        index = indices[c];
+      }
+    }
+    flagged = __syncthreads_or(flagged);  // also the barrier between two block_argmax calls
+    block_argmax(value, index);
+    if (threadIdx.x == 0) chosen[j] = index;
+    accepted = j + 1;
+    if (flagged || value == NEGATIVE_INFINITY) {
+      status = STATUS_NOT_FINITE;
+      break;
+    }
+    if (j + 1 == tokens || index != row_tokens[j + 1]) break;  // the same for every thread
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int head[STATE_PAGE_TABLE] = {chosen[accepted - 1], position + accepted, seq_len + accepted, status};
+#pragma unroll
+    for (int i = 0; i < STATE_PAGE_TABLE; ++i) state[i] = head[i];
+    verdict[0] = accepted;
+    verdict[1] = status;
+    for (int j = 0; j < accepted; ++j) verdict[2 + j] = chosen[j];
+  }
+}

@@ -1,0 +1,127 @@
+"""The CUDA verify pass (kernels/verify.cu) against the CUDA decode step it must equal (GPU only).
+
+A verify pass's row j is decode's step at position + j, computed by the same arithmetic in the
+same order, so these tests ask for bits, not tolerances: the rows' logits equal the logits of
+decode steps fed the same tokens, at the shapes where the multi-row GEMVs split their groups
+unevenly, with GQA groups of 1 to 8, tied and separate lm_heads, 1 to 17 rows, and rows that
+cross page boundaries. Then the engine: speculation on the CUDA backend makes plain decoding's
+tokens, greedy and sampled (device draw and host draw), on nano-coder's edit prompt, where most
+drafts are accepted, and on random weights, where most are rejected and their rows rewritten.
+"""
+
+import numpy as np
+import pytest
+
+import nanoqwen
+from nanoqwen import Engine
+from nanoqwen.backends import cuda_available
+from nanoqwen.cli import DEFAULT_MODEL
+from nanoqwen.sampling import GREEDY, SamplingParams
+from nanoqwen.speculative import MAX_DRAFTS
+from nanoqwen.testing import make_nanoqwen
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU"),
+]
+
+SHAPES = {
+    "head_dim 64, 7:1, tied (0.5B-like)": dict(hidden_size=896, intermediate_size=1280, num_heads=14, num_kv_heads=2,
+                                               head_dim=64, tie_word_embeddings=True),
+    "1:1, vocab 1003": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64,
+                            vocab_size=1003),
+    "5:1, hidden 640, MLP 1792, tied": dict(hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1,
+                                            head_dim=128, tie_word_embeddings=True),
+    "8:1 over 16 query heads": dict(hidden_size=1024, intermediate_size=2048, num_heads=16, num_kv_heads=2, head_dim=64),
+    "7B widths, one layer": dict(num_layers=1, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
+                                 head_dim=128, vocab_size=2048),
+}
+PROMPT_TOKENS = 21  # a full page and 5 rows of the next: the pass's rows cross into a third page
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, MAX_DRAFTS + 1])
+@pytest.mark.parametrize("name", SHAPES)
+def test_verify_rows_are_decode_steps_bit_for_bit(name, rows, tmp_path):
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name) + rows, **SHAPES[name])
+    rng = np.random.default_rng(rows)
+    with Engine(path, backend="cuda", max_context=64) as engine:
+        backend, vocab = engine.backend, engine.config.vocab_size
+        prompt = rng.integers(0, vocab, PROMPT_TOKENS).astype(np.int32)
+        row_tokens = rng.integers(0, vocab, rows).tolist()
+        pages = engine.allocator.allocate(3)
+        backend.prefill(prompt, 0, pages)
+        verified = backend.verify_logits(row_tokens[0], row_tokens[1:], PROMPT_TOKENS, pages)
+        # The decode steps write the same K/V rows again; equal bits leave the cache as it was.
+        decoded = np.stack([backend.decode(token, PROMPT_TOKENS + j, pages) for j, token in enumerate(row_tokens)])
+    assert np.all(np.isfinite(verified))
+    mismatched = np.flatnonzero(np.any(verified != decoded, axis=1))
+    assert mismatched.size == 0, f"rows {mismatched.tolist()} differ; largest difference {np.abs(verified - decoded).max()}"
+
+
+def greedy_run(backend, prompt, pages, steps: int) -> list[int]:
+    token = int(np.argmax(backend.prefill(prompt, 0, pages)))
+    tokens = [token]
+    for step in range(steps - 1):
+        tokens.append(backend.decode_next(tokens[-1], len(prompt) + step, pages))
+    return tokens
+
+
+def test_verify_accepts_up_to_the_first_wrong_draft_and_the_next_pass_rewrites_its_rows(tmp_path):
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=3, **SHAPES["5:1, hidden 640, MLP 1792, tied"])
+    prompt = np.random.default_rng(4).integers(0, 512, PROMPT_TOKENS).astype(np.int32)
+    with Engine(path, backend="cuda", max_context=64) as engine:
+        backend, pages = engine.backend, engine.allocator.allocate(3)
+        plain = greedy_run(backend, prompt, pages, 12)
+        backend.prefill(prompt, 0, pages)
+        # All drafts right: the pass makes every row's token, across the page boundary at 32.
+        assert backend.verify(plain[0], plain[1:9], PROMPT_TOKENS, pages, GREEDY) == plain[1:10]
+        backend.prefill(prompt, 0, pages)
+        wrong = [*plain[1:4], (plain[4] + 1) % 512, *plain[5:9]]
+        assert backend.verify(plain[0], wrong, PROMPT_TOKENS, pages, GREEDY) == plain[1:5]
+        # The next pass starts at the first position not accepted and overwrites the stale rows.
+        position = PROMPT_TOKENS + 4
+        assert backend.verify(plain[4], plain[5:11], position, pages, GREEDY) == plain[5:12]
+
+
+@pytest.fixture(scope="module")
+def coder():
+    with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as engine:
+        yield engine
+
+
+EDIT_PROMPT = '''def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+# The same two functions, with type hints:
+def area(width: float, height: float) -> float:
+'''
+NEW_TOKENS = 40
+SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8, seed=11),
+             "top-k (host draw)": dict(temperature=0.8, top_k=5, seed=11)}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_speculation_makes_plain_decodings_tokens_on_cuda(coder, sampling):
+    kwargs = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=[], **SAMPLINGS[sampling])
+    plain = coder.generate(EDIT_PROMPT, **kwargs)
+    for n in (1, 4, 8, MAX_DRAFTS):
+        result = coder.generate(EDIT_PROMPT, speculate=n, **kwargs)
+        assert result.token_ids == plain.token_ids, f"speculate={n}"
+        assert result.decode_tokens == NEW_TOKENS - 1
+    if sampling == "greedy":
+        assert result.tokens_per_pass > 2, "the edit should copy its prompt"
+
+
+def test_random_weights_reject_drafts_and_still_match(tmp_path):
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=8, **SHAPES["8:1 over 16 query heads"])
+    motif = np.random.default_rng(9).integers(0, 512, 20).tolist()
+    with Engine(path, backend="cuda", max_context=256) as engine:
+        for sampling in ({}, dict(temperature=1.0, seed=5)):
+            plain = engine.generate(motif * 3, max_new_tokens=48, stop_token_ids=[], **sampling)
+            result = engine.generate(motif * 3, max_new_tokens=48, stop_token_ids=[], speculate=6, **sampling)
+            assert result.token_ids == plain.token_ids
+            assert result.drafted_tokens > result.accepted_drafts, "random weights should reject some drafts"

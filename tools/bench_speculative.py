@@ -1,0 +1,215 @@
+"""Speculative decoding on the GPU: what a verify pass costs, and what it buys on code edits.
+
+    python3 tools/bench_speculative.py --out results/speculative-h200     # on a GPU machine
+
+1. Pass cost at the 7B's shapes (random weights of the published shapes, a 512-token prompt): the
+   wall time of one `CudaBackend.verify` call of k = 1, 2, 4, 8, 16 drafts (upload, graph, host
+   read-back: what the engine pays per pass) against one decode step taken the same way
+   (`decode_next`) and against plain decoding's pipelined ms/token (`Engine.generate`).
+2. Acceptance: nano-coder on edit prompts (most of the output copies the prompt) and on a prompt
+   with nothing to copy, for speculate = 4, 8, 16: every pass's draft count and accepted tokens.
+3. Effective 7B ms/token: each recorded pass priced at the 7B's cost of a pass of its draft count,
+   over the tokens it made; and, measured directly on the 7B's random weights (nothing to copy),
+   speculate = 8 against plain decoding.
+
+Writes OUT.json (pass_costs, acceptance, effective, no_copy_7b, with date, GPU, commit, command)
+and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
+DRAFT_COUNTS = [1, 2, 4, 8, 16]
+SPECULATE = [4, 8, 16]
+EDIT_PROMPTS = {
+    "type hints": '''def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+
+def diagonal(width, height):
+    return (width ** 2 + height ** 2) ** 0.5
+
+# The same three functions, with type hints:
+def area(width: float, height: float) -> float:
+''',
+    "rename": '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+# The same function with `items` renamed to `cart`:
+def total_price(cart, tax_rate):
+''',
+    "add a field": '''class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __repr__(self):
+        return f"Point(x={self.x}, y={self.y})"
+
+# The same class with a third coordinate z:
+class Point:
+''',
+}
+NO_COPY_PROMPT = "# A function that returns the n-th prime number\n"
+
+
+def wall_ms(call, repeats: int = REPEATS) -> float:
+    call()  # warm: capture
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def pass_costs(engine, rng) -> dict:
+    """Wall ms of a verify pass per draft count and of one decode step, at PROMPT_TOKENS of context."""
+    backend, vocab = engine.backend, engine.config.vocab_size
+    pages = engine.allocator.allocate(-(-(PROMPT_TOKENS + 32) // 16))
+    prompt = rng.integers(0, vocab, PROMPT_TOKENS)
+    backend.prefill(prompt, 0, pages)
+    step = wall_ms(lambda: backend.decode_next(1, PROMPT_TOKENS, pages))
+    costs = {0: step}
+    for k in DRAFT_COUNTS:
+        drafts = rng.integers(0, vocab, k).tolist()
+        costs[k] = wall_ms(lambda: backend.verify(1, drafts, PROMPT_TOKENS, pages))
+    engine.allocator.free(pages)
+    return costs
+
+
+def plain_ms_per_token(engine, ids) -> float:
+    engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])
+    runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(3)]
+    return 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
+
+
+def recorded_run(engine, prompt: str, speculate: int) -> tuple[dict, list[tuple[int, int]]]:
+    """One greedy generation; (summary, [(drafts, tokens made)] per pass)."""
+    backend, passes = engine.backend, []
+    verify, decode_next = backend.verify, backend.decode_next
+
+    def recording_verify(token, drafts, *args, **kwargs):
+        tokens = verify(token, drafts, *args, **kwargs)
+        passes.append((len(drafts), len(tokens)))
+        return tokens
+
+    def recording_decode_next(*args, **kwargs):
+        token = decode_next(*args, **kwargs)
+        passes.append((0, 1))
+        return token
+
+    backend.verify, backend.decode_next = recording_verify, recording_decode_next
+    try:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=speculate)
+    finally:
+        del backend.verify, backend.decode_next
+    return dict(tokens_per_pass=result.tokens_per_pass, passes=result.decode_passes,
+                drafted=result.drafted_tokens, accepted=result.accepted_drafts), passes
+
+
+def priced(passes: list[tuple[int, int]], costs: dict) -> float:
+    """7B ms/token of the recorded passes, each at the measured cost of its draft count (counts
+    between the measured ones take the next measured count above)."""
+    def cost(k: int) -> float:
+        return costs[k] if k in costs else costs[min(m for m in costs if m >= k)]
+
+    return sum(cost(k) for k, _ in passes) / sum(made for _, made in passes)
+
+
+def markdown(record: dict) -> str:
+    costs, plain = record["pass_costs_ms"], record["plain_ms_per_token"]
+    lines = [f"# Speculative decoding ({record['gpu']})", "",
+             f"- date: {record['date']}; GPU: {record['gpu']}; commit: {record['commit']}",
+             f"- command: `{record['command']}`",
+             f"- 7B shapes, random weights, {PROMPT_TOKENS}-token context; wall time per call, median of {REPEATS}; "
+             f"byte floor of one pass {record['floor_ms']:.3f} ms", "",
+             f"Plain decoding (pipelined, `Engine.generate`): **{plain:.3f} ms/token**.", "",
+             "| pass | wall ms | vs one decode step |", "| --- | ---: | ---: |"]
+    for k, ms in costs.items():
+        label = "decode step (decode_next)" if k == "0" else f"verify, {k} drafts ({int(k) + 1} rows)"
+        lines.append(f"| {label} | {ms:.3f} | {ms / costs['0']:.2f}x |")
+    lines += ["", "Nano-coder's passes on each prompt (greedy), priced at the 7B's pass costs:", "",
+              "| prompt | speculate | tokens per pass | drafts accepted | effective 7B ms/token | vs plain |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in record["effective"]:
+        lines.append(f"| {row['prompt']} | {row['speculate']} | {row['tokens_per_pass']:.2f} | "
+                     f"{row['accepted']}/{row['drafted']} | {row['ms_per_token']:.3f} | {plain / row['ms_per_token']:.2f}x |")
+    nc = record["no_copy_7b"]
+    lines += ["", f"Nothing to copy, measured on the 7B's random weights: plain {nc['plain_ms_per_token']:.3f} ms/token, "
+              f"speculate=8 {nc['speculative_ms_per_token']:.3f} ms/token ({nc['tokens_per_pass']:.2f} tokens per pass), "
+              f"{100 * (nc['speculative_ms_per_token'] / nc['plain_ms_per_token'] - 1):+.1f}%."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    args = parser.parse_args()
+
+    import cupy as cp
+    import numpy as np
+
+    import nanoqwen
+    from nanoqwen import Engine
+    from nanoqwen.byte_floor import floor_ms
+    from nanoqwen.cli import DEFAULT_MODEL
+    from nanoqwen.random_model import PRESETS, write_random_model
+
+    rng = np.random.default_rng(0)
+    with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as coder:
+        runs = {(name, n): recorded_run(coder, prompt, n) for name, prompt in
+                [*EDIT_PROMPTS.items(), ("nothing to copy", NO_COPY_PROMPT)] for n in SPECULATE}
+    model = Path(tempfile.mkdtemp()) / "7b.nanoqwen"
+    write_random_model(model, PRESETS["qwen2.5-coder-7b"])
+    with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
+        costs = pass_costs(engine, rng)
+        ids = rng.integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
+        plain = plain_ms_per_token(engine, ids)
+        speculative = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=8) for _ in range(3)]
+        floor = floor_ms(engine.config, PROMPT_TOKENS)
+    effective = [dict(prompt=name, speculate=n, **summary, ms_per_token=priced(passes, costs))
+                 for (name, n), (summary, passes) in runs.items()]
+    commit = os.environ.get("NANOQWEN_COMMIT") or subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True).stdout.strip() or "unknown"
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "commit": commit,
+        "command": "python3 tools/bench_speculative.py --out results/speculative-h200",
+        "floor_ms": floor,
+        "plain_ms_per_token": plain,
+        "pass_costs_ms": {str(k): v for k, v in costs.items()},
+        "effective": effective,
+        "no_copy_7b": dict(plain_ms_per_token=plain,
+                           speculative_ms_per_token=1e3 / statistics.median(r.decode_tokens_per_second for r in speculative),
+                           tokens_per_pass=statistics.median(r.tokens_per_pass for r in speculative)),
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(record))
+    print(markdown(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
