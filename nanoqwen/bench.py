@@ -95,7 +95,8 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
               baseline: bool = False, seed: int = 0, activations: str = "fp16", command: str | None = None,
               prefill_weights: str = "auto") -> dict:
     """Measure `model_path` on the GPU (see the module docstring); returns the report dict."""
-    from .engine import Engine, cuda_available
+    from .backends import cuda_available
+    from .engine import Engine
     from .kvcache import pages_needed
     from .loader import load
 

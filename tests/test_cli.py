@@ -10,6 +10,7 @@ import pytest
 
 import nanoqwen
 from nanoqwen import cli
+from nanoqwen.backends import cuda_available
 from nanoqwen.engine import Engine
 from nanoqwen.testing import make_hf_checkpoint
 
@@ -170,3 +171,9 @@ def test_python_dash_m(model_path):
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     usage = subprocess.run([sys.executable, "-m", "nanoqwen", "generate"], capture_output=True, text=True)
     assert usage.returncode == 2
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the message on a machine without a CUDA GPU")
+def test_bench_without_a_gpu_is_a_one_line_error(capsys, model_path):
+    status, _, stderr = run(capsys, "bench", model_path)
+    assert status == 1 and "needs CuPy and a Hopper GPU" in stderr and "Traceback" not in stderr
