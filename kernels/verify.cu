@@ -20,31 +20,46 @@
 
 constexpr int VERIFY_ROWS = 17;  // the most rows of a pass: nanoqwen.speculative.MAX_DRAFTS + 1
 NQ_EXPORT_INT(VERIFY_ROWS)
-// Ring depth of the verify GEMVs. Each slot holds the tile's kilobyte of weights and every token's
-// 256 bytes of x, so the ring is sized at launch for the pass's tokens (verify_ring_bytes); at 17
-// rows a block of 16 split-K warps (the small models' q|k|v) fits two slots in an SM's 227 KB.
-constexpr int VERIFY_STAGES = 2;
-NQ_EXPORT_INT(VERIFY_STAGES)
+// Ring depth of each verify GEMV. Each slot holds the tile's kilobyte of weights and every
+// token's 256 bytes of x, so the ring is sized at launch for the pass's tokens (verify_ring_bytes),
+// and the depth is the deepest, up to decode's, at which a block's rings for VERIFY_ROWS tokens
+// fit an SM (nanoqwen/cuda/plan.py, verify_stages, sets the macros for the model and the GPU).
+#ifndef NQ_VERIFY_QKV_STAGES
+#define NQ_VERIFY_QKV_STAGES 2
+#endif
+#ifndef NQ_VERIFY_O_STAGES
+#define NQ_VERIFY_O_STAGES 2
+#endif
+#ifndef NQ_VERIFY_GATE_UP_STAGES
+#define NQ_VERIFY_GATE_UP_STAGES 2
+#endif
+#ifndef NQ_VERIFY_DOWN_STAGES
+#define NQ_VERIFY_DOWN_STAGES 2
+#endif
+__device__ int abi_VERIFY_QKV_STAGES = NQ_VERIFY_QKV_STAGES;  // read by the host to size the rings
+__device__ int abi_VERIFY_O_STAGES = NQ_VERIFY_O_STAGES;
+__device__ int abi_VERIFY_GATE_UP_STAGES = NQ_VERIFY_GATE_UP_STAGES;
+__device__ int abi_VERIFY_DOWN_STAGES = NQ_VERIFY_DOWN_STAGES;
 NQ_EXPORT_INT(X_TOKEN_PIECES)
 
 // One warp's ring of a verify GEMV, in the block's dynamic shared memory after the rings of the
-// warps before it: TILES KB of weights per slot, then STAGES slots of x.
-template <int TILES>
+// warps before it: STAGES slots of TILES KB of weights, then STAGES slots of x.
+template <int STAGES, int TILES>
 __device__ __forceinline__ int verify_ring_bytes(int tokens) {
-  return VERIFY_STAGES * (TILES * 2 * WARP_SIZE * 16 + tokens * X_TOKEN_PIECES * 16);
+  return STAGES * (TILES * 2 * WARP_SIZE * 16 + tokens * X_TOKEN_PIECES * 16);
 }
 
-template <int TILES>
+template <int STAGES, int TILES>
 struct VerifyRing {
-  uint4 (&weights)[VERIFY_STAGES][TILES][2][WARP_SIZE];
+  uint4 (&weights)[STAGES][TILES][2][WARP_SIZE];
   uint4* x;
 };
 
-template <int TILES>
-__device__ __forceinline__ VerifyRing<TILES> verify_ring(int warp, int tokens) {
-  unsigned char* base = gemv_shared + warp * verify_ring_bytes<TILES>(tokens);
-  return {*reinterpret_cast<uint4(*)[VERIFY_STAGES][TILES][2][WARP_SIZE]>(base),
-          reinterpret_cast<uint4*>(base + VERIFY_STAGES * TILES * 2 * WARP_SIZE * 16)};
+template <int STAGES, int TILES>
+__device__ __forceinline__ VerifyRing<STAGES, TILES> verify_ring(int warp, int tokens) {
+  unsigned char* base = gemv_shared + warp * verify_ring_bytes<STAGES, TILES>(tokens);
+  return {*reinterpret_cast<uint4(*)[STAGES][TILES][2][WARP_SIZE]>(base),
+          reinterpret_cast<uint4*>(base + STAGES * TILES * 2 * WARP_SIZE * 16)};
 }
 
 // Each warp's split sums into split_sums[split][tile][token][row of the tile], from the MMA
@@ -92,8 +107,8 @@ __device__ __forceinline__ float split_total(const float (&split_sums)[MAX_SPLIT
 // y[token] = W x[token] (+ bias) for `tokens` rows of x, as gemv_int4_split_k computes one.
 //   x fp16 [tokens, K], y fp32 [tokens, n_rows]; the rest as gemv_int4_split_k's.
 // grid (ceil(n_rows / 16)), block (32 splits: decode's split of this projection),
-// dynamic shared memory splits x verify_ring_bytes<1>(tokens)
-template <int K>
+// dynamic shared memory splits x verify_ring_bytes<STAGES, 1>(tokens)
+template <int K, int STAGES>
 __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __restrict__ qweight,
                                                        const unsigned short* __restrict__ scales,
                                                        const unsigned short* __restrict__ bias,
@@ -107,8 +122,8 @@ __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __res
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
   const int unused[2] = {0, 0};
   float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<1> ring = verify_ring<1>(split, tokens);
-  int4_tile_dot<K, 1, VERIFY_STAGES, false, false, VERIFY_ROWS>(
+  VerifyRing<STAGES, 1> ring = verify_ring<STAGES, 1>(split, tokens);
+  int4_tile_dot<K, 1, STAGES, false, false, VERIFY_ROWS>(
       qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
       ring.weights, ring.x, tokens, acc);
   store_split_sums(split_sums, acc, tokens);
@@ -121,20 +136,20 @@ __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __res
   }
 }
 
-#define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K)                                                                  \
+#define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K, STAGES)                                                                  \
   extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows, int tokens) {                                                                       \
-    gemv_int4_rows_split_k<K>(qweight, scales, bias, x, y, n_rows, tokens);                                \
+    gemv_int4_rows_split_k<K, STAGES>(qweight, scales, bias, x, y, n_rows, tokens);                                \
   }
 
-NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_q_dim, NQ_Q_DIM)
-NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_intermediate, NQ_INTERMEDIATE)
+NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_q_dim, NQ_Q_DIM, NQ_VERIFY_O_STAGES)
+NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_intermediate, NQ_INTERMEDIATE, NQ_VERIFY_DOWN_STAGES)
 
 // gemv_int4_qkv_rope for `tokens` rows at positions positions[0] + token: each row's q rotated into
 // q_out [tokens, Q_DIM], its K and V into its page. Block and row order as gemv_int4_qkv_rope's.
-// grid (NQ_QKV_DIM / 16), block (32 splits), dynamic shared memory splits x verify_ring_bytes<1>(tokens)
+// grid (NQ_QKV_DIM / 16), block (32 splits), dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_QKV_STAGES, 1>(tokens)
 extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
 gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                         const unsigned short* __restrict__ bias, const unsigned short* x,
@@ -152,8 +167,8 @@ gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned
   const int unused[2] = {0, 0};
   const int first_position = positions[0];
   float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<1> ring = verify_ring<1>(split, tokens);
-  int4_tile_dot<NQ_HIDDEN, 1, VERIFY_STAGES, false, false, VERIFY_ROWS>(
+  VerifyRing<NQ_VERIFY_QKV_STAGES, 1> ring = verify_ring<NQ_VERIFY_QKV_STAGES, 1>(split, tokens);
+  int4_tile_dot<NQ_HIDDEN, 1, NQ_VERIFY_QKV_STAGES, false, false, VERIFY_ROWS>(
       qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
       ring.weights, ring.x, tokens, acc);
   store_split_sums(split_sums, acc, tokens);
@@ -183,7 +198,7 @@ gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned
 }
 
 // gemv_int4_gate_up_silu for `tokens` rows: h [tokens, I] fp16. Scales staged as there.
-// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS), dynamic shared memory splits x verify_ring_bytes<2>(tokens)
+// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS), dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_GATE_UP_STAGES, 2>(tokens)
 extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
 gemv_int4_gate_up_silu_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                             const unsigned short* x, unsigned short* __restrict__ h, int tokens) {
@@ -201,8 +216,8 @@ gemv_int4_gate_up_silu_rows(const unsigned int* __restrict__ qweight, const unsi
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};
   float acc[2][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<2> ring = verify_ring<2>(split, tokens);
-  int4_tile_dot<NQ_HIDDEN, 2, VERIFY_STAGES, true, false, VERIFY_ROWS>(
+  VerifyRing<NQ_VERIFY_GATE_UP_STAGES, 2> ring = verify_ring<NQ_VERIFY_GATE_UP_STAGES, 2>(split, tokens);
+  int4_tile_dot<NQ_HIDDEN, 2, NQ_VERIFY_GATE_UP_STAGES, true, false, VERIFY_ROWS>(
       qweight, scales, tile_scales[0], scale_rows, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
       ring.weights, ring.x, tokens, acc);
   store_split_sums(split_sums, acc, tokens);
@@ -253,15 +268,36 @@ lm_head_logits_rows(const uint4* x, const uint4* __restrict__ weight, float* __r
   const int warps_in_grid = gridDim.x * LM_WARPS;
   for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
     if (row != first_row) load_lm_row(weight, row, lane, w);
+    // Pieces outside, tokens inside: each piece of weights is converted to fp32 once for all the
+    // tokens, and every token's FMA chain still runs over the pieces in scan_rows' order.
+    float sums[VERIFY_ROWS];
+#pragma unroll
+    for (int j = 0; j < VERIFY_ROWS; ++j) sums[j] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < LM_PIECES_PER_LANE; ++p) {
+      const int piece = lane + p * WARP_SIZE;
+      if (piece >= LM_PIECES) continue;
+      const unsigned int ws[4] = {w[p].x, w[p].y, w[p].z, w[p].w};
+      float2 wf[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wf[k] = half2_to_float2(ws[k]);
+#pragma unroll
+      for (int j = 0; j < VERIFY_ROWS; ++j) {
+        if (j >= tokens) break;  // the same for the whole block
+        const uint4 xv = x_shared[j * LM_PIECES + piece];
+        const unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // dot8_half's order
+          const float2 xf = half2_to_float2(xs[k]);
+          sums[j] = fmaf(wf[k].x, xf.x, sums[j]);
+          sums[j] = fmaf(wf[k].y, xf.y, sums[j]);
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < VERIFY_ROWS; ++j) {
-      if (j >= tokens) break;  // the same for the whole block
-      const uint4* x_token = x_shared + j * LM_PIECES;
-      float sum = 0.0f;
-#pragma unroll
-      for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
-        if (lane + p * WARP_SIZE < LM_PIECES) sum = dot8_half(w[p], x_token[lane + p * WARP_SIZE], sum);
-      sum = warp_sum(sum);
+      if (j >= tokens) break;
+      const float sum = warp_sum(sums[j]);
       if (lane == 0) logits[(long long)j * NQ_VOCAB + row] = sum;
       if (!(sum < POSITIVE_INFINITY)) non_finite |= 1u << j;
       const float key = temperature > 0

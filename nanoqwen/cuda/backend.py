@@ -44,10 +44,12 @@ from .attention import check_config
 from .device import fit_gemv_rings, set_carveout
 from .launch import StepKernel
 from .pipeline import TokenPipeline
-from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, block_threads
+from .plan import (
+    GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, VERIFY_GEMVS, block_threads, verify_stages,
+)
 from .prefill import Prefill
 from .step import DecodeStep
-from .verify import VERIFY_KERNELS, VerifyPass
+from .verify import VerifyPass
 from .weights import PREFILL_WEIGHTS, WeightUpload
 
 ACTIVATIONS = ("fp16", "int8")
@@ -117,7 +119,10 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.num_sms = device.attributes["MultiProcessorCount"]
         self.stream = cp.cuda.Stream(non_blocking=True)
 
-        module = build.compile_module(c)
+        decode_stages = build.macro_defaults("gemv_int4.cu")
+        verify_depths = verify_stages(c, self.num_sms, device.attributes["MaxSharedMemoryPerBlockOptin"],
+                                      {name: int(decode_stages[macro]) for name, macro in GEMV_STAGES_MACROS.items()})
+        module = build.compile_module(c, extra_defines={name: str(depth) for name, depth in verify_depths.items()})
         abi.check_compiled(module, build.DECODER_KERNEL_FILES)
         self.kernels = {
             name: StepKernel(module.get_function(name), name)
@@ -126,7 +131,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
                 "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
-                *VERIFY_KERNELS, "lm_head_logits_rows", "verify_select",
+                *VERIFY_GEMVS, "lm_head_logits_rows", "verify_select",
             )
         }
         self._init_verify(module)

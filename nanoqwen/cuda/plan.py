@@ -102,3 +102,42 @@ def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:
     The engine launches with the device's own figure (fit_gemv_rings); this plans without a GPU."""
     tiles = 2 if name == "gemv_int4_gate_up_silu" else 1
     return stages * (tiles * TILE_ROWS * group_size // 2 + 2 * group_size)
+
+
+# A verify pass (kernels/verify.cu) runs decode's GEMVs for up to VERIFY_ROWS tokens, each verify
+# kernel with the warps (splits) of the decode projection it repeats: verify kernel -> (that
+# projection, decode's kernel, the macro of its ring depth).
+VERIFY_ROWS = 17  # kernels/verify.cu's VERIFY_ROWS: nanoqwen.speculative.MAX_DRAFTS + 1
+VERIFY_GEMVS = {"gemv_int4_qkv_rope_rows": ("qkv", QKV_ROPE_KERNEL, "NQ_VERIFY_QKV_STAGES"),
+                "gemv_int4_rows_from_q_dim": ("o", "gemv_int4_from_q_dim", "NQ_VERIFY_O_STAGES"),
+                "gemv_int4_gate_up_silu_rows": ("gate_up", "gemv_int4_gate_up_silu", "NQ_VERIFY_GATE_UP_STAGES"),
+                "gemv_int4_rows_from_intermediate": ("down", "gemv_int4_from_intermediate", "NQ_VERIFY_DOWN_STAGES")}
+VERIFY_STATIC_SHARED_BYTES = 24 * 1024  # a verify GEMV's split sums and staged scales, at most
+
+
+def verify_ring_bytes(tiles: int, stages: int, tokens: int, group_size: int) -> int:
+    """One warp's ring of a verify GEMV (kernels/verify.cu, verify_ring_bytes): per slot, the
+    tiles' weights (16 rows x group_size / 2 bytes each) and every token's x, padded by a piece."""
+    return stages * (tiles * TILE_ROWS * group_size // 2 + tokens * (group_size // 8 + 1) * 16)
+
+
+def verify_splits(kernel: str, config, num_sms: int) -> int:
+    """Warps per block of a verify GEMV: decode's split of the same projection, so that each row's
+    sums are added in decode's order."""
+    projection = VERIFY_GEMVS[kernel][0]
+    if projection == "gate_up":
+        return GATE_UP_SPLITS
+    out_features, in_features = config.projection_shapes[projection]
+    return projection_splits(projection, out_features, in_features, num_sms, config.group_size)
+
+
+def verify_stages(config, num_sms: int, shared_bytes: int, decode_stages: dict[str, int]) -> dict[str, int]:
+    """Ring depth of each verify GEMV, as its stage macro: decode's depth (`decode_stages`, decode
+    kernel -> depth), or less, down to 2, where a block's rings for VERIFY_ROWS tokens would not fit
+    the `shared_bytes` a block may take."""
+    depths = {}
+    for kernel, (_, decode_kernel, macro) in VERIFY_GEMVS.items():
+        tiles = 2 if kernel == "gemv_int4_gate_up_silu_rows" else 1
+        per_stage = verify_splits(kernel, config, num_sms) * verify_ring_bytes(tiles, 1, VERIFY_ROWS, config.group_size)
+        depths[macro] = max(2, min(decode_stages[decode_kernel], (shared_bytes - VERIFY_STATIC_SHARED_BYTES) // per_stage))
+    return depths

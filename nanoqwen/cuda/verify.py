@@ -25,22 +25,10 @@ from .abi import ARGMAX_THREADS, LM_HEAD_THREADS
 from .device import NULL, mapped_host_array
 from .graph import capture
 from .launch import programmatic_launches
-from .plan import QKV_ROPE_KERNEL, gemv_launch
+from .plan import VERIFY_GEMVS, VERIFY_ROWS, gemv_launch, verify_ring_bytes, verify_splits
 from .sampler import device_top_k, token_of_head
 
-# verify kernel -> the decode kernel whose launch geometry (blocks per tile, splits) it shares
-VERIFY_KERNELS = {"gemv_int4_qkv_rope_rows": QKV_ROPE_KERNEL, "gemv_int4_rows_from_q_dim": "gemv_int4_from_q_dim",
-                  "gemv_int4_rows_from_intermediate": "gemv_int4_from_intermediate",
-                  "gemv_int4_gate_up_silu_rows": "gemv_int4_gate_up_silu"}
-VERIFY_PROJECTIONS = {"gemv_int4_qkv_rope_rows": "qkv", "gemv_int4_rows_from_q_dim": "o",
-                      "gemv_int4_rows_from_intermediate": "down"}
 VERDICT_HEAD = 2  # verify_select's verdict: accepted count, status, then the accepted tokens
-
-
-def verify_ring_bytes(tiles: int, stages: int, tokens: int, group_size: int, token_pieces: int) -> int:
-    """One warp's ring of a verify GEMV (kernels/verify.cu, verify_ring_bytes): per slot, the
-    tiles' weights (16 rows x group_size / 2 bytes each) and every token's padded x."""
-    return stages * (tiles * 16 * group_size // 2 + tokens * token_pieces * 16)
 
 
 class VerifyPass:
@@ -48,10 +36,13 @@ class VerifyPass:
 
     def _init_verify(self, module) -> None:
         self.verify_rows = build.module_int(module, "abi_VERIFY_ROWS")
-        if self.verify_rows < MAX_DRAFTS + 1:
+        if self.verify_rows != VERIFY_ROWS or self.verify_rows < MAX_DRAFTS + 1:
             raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows, speculation drafts up to {MAX_DRAFTS} + 1")
-        self._verify_stages = build.module_int(module, "abi_VERIFY_STAGES")
-        self._verify_token_pieces = build.module_int(module, "abi_X_TOKEN_PIECES")
+        # the ring depth each verify GEMV was compiled with (plan.verify_stages)
+        self._verify_stages = {name: build.module_int(module, "abi_" + macro[len("NQ_"):])
+                               for name, (_, _, macro) in VERIFY_GEMVS.items()}
+        if build.module_int(module, "abi_X_TOKEN_PIECES") != self.config.group_size // 8 + 1:
+            raise RuntimeError("kernels/verify.cu pads x otherwise than plan.verify_ring_bytes")
         self._verify = None  # buffers, allocated at the first pass
         self._verify_graphs = {}  # rows -> graph
 
@@ -64,7 +55,7 @@ class VerifyPass:
 
     def _verify_ring(self, kernel: str, tokens: int) -> int:
         tiles = 2 if kernel == "gemv_int4_gate_up_silu_rows" else 1
-        return verify_ring_bytes(tiles, self._verify_stages, tokens, self.config.group_size, self._verify_token_pieces)
+        return verify_ring_bytes(tiles, self._verify_stages[kernel], tokens, self.config.group_size)
 
     def _allocate_verify_buffers(self) -> None:
         cp, c, rows = self._cp, self.config, self.verify_rows
@@ -85,21 +76,17 @@ class VerifyPass:
             "blocks": blocks, "verdict": verdict, "verdict_memory": verdict_memory,
         }
         self.attention.reserve_rows(rows)
-        for name in VERIFY_KERNELS:  # room for the rings of the most rows
+        for name in VERIFY_GEMVS:  # room for the rings of the most rows
             self.kernels[name].max_dynamic_shared_size_bytes = self._verify_splits(name) * self._verify_ring(name, rows)
         self.kernels["lm_head_logits_rows"].max_dynamic_shared_size_bytes = rows * c.hidden_size * 2
 
     def _verify_splits(self, kernel: str) -> int:
-        """Warps per block of a verify GEMV: decode's split of the same projection (every layer's
-        is the same), so that each row's sums are added in decode's order."""
-        if kernel == "gemv_int4_gate_up_silu_rows":
-            return self.gate_up_splits
-        return getattr(self.layers[0], VERIFY_PROJECTIONS[kernel]).splits
+        return verify_splits(kernel, self.config, self.num_sms)
 
     def _verify_gemv(self, kernel: str, linear, tokens: int, args) -> None:
         # gate+up's blocks take a tile of gate's rows and the same rows of up
         rows = self.config.intermediate_size if kernel == "gemv_int4_gate_up_silu_rows" else linear.out_features
-        grid, block, shared = gemv_launch(VERIFY_KERNELS[kernel], rows, self._verify_splits(kernel),
+        grid, block, shared = gemv_launch(VERIFY_GEMVS[kernel][1], rows, self._verify_splits(kernel),
                                           self._verify_ring(kernel, tokens))
         self.kernels[kernel](grid, block, (*args, np.int32(tokens)), shared_mem=shared)
 
