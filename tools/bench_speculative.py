@@ -7,7 +7,8 @@
    read-back: what the engine pays per pass) against one decode step taken the same way
    (`decode_next`) and against plain decoding's pipelined ms/token (`Engine.generate`).
 2. Acceptance: nano-coder on edit prompts (most of the output copies the prompt) and on a prompt
-   with nothing to copy, for speculate = 4, 8, 16: every pass's draft count and accepted tokens.
+   of one line (nano-coder repeats itself there), for speculate = 4, 8, 16: every pass's draft
+   count and accepted tokens.
 3. Effective 7B ms/token: each recorded pass priced at the 7B's cost of a pass of its draft count,
    over the tokens it made; and, measured directly on the 7B's random weights (nothing to copy),
    speculate = 8 against plain decoding.
@@ -69,7 +70,7 @@ def total_price(cart, tax_rate):
 class Point:
 ''',
 }
-NO_COPY_PROMPT = "# A function that returns the n-th prime number\n"
+SHORT_PROMPT = "# A function that returns the n-th prime number\n"
 
 
 def wall_ms(call, repeats: int = REPEATS) -> float:
@@ -178,7 +179,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as coder:
         runs = {(name, n): recorded_run(coder, prompt, n) for name, prompt in
-                [*EDIT_PROMPTS.items(), ("nothing to copy", NO_COPY_PROMPT)] for n in SPECULATE}
+                [*EDIT_PROMPTS.items(), ("short prompt", SHORT_PROMPT)] for n in SPECULATE}
     model = Path(tempfile.mkdtemp()) / "7b.nanoqwen"
     write_random_model(model, PRESETS["qwen2.5-coder-7b"])
     with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
