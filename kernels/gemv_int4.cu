@@ -153,7 +153,9 @@ struct GemvRing {
 // token's sums are decode's bits (tests/test_verify_cuda.py).
 constexpr int MMA_COLUMNS = 8;
 // Accumulators per tile of a lane: decode's rows g and g + 8, or d[0..3] per block of 8 tokens.
-__host__ __device__ constexpr int gemv_accumulators(int tokens) { return tokens == 1 ? 2 : 4 * ((tokens + MMA_COLUMNS - 1) / MMA_COLUMNS); }
+__host__ __device__ constexpr int gemv_accumulators(int tokens) {
+  return tokens == 1 ? 2 : 4 * ((tokens + MMA_COLUMNS - 1) / MMA_COLUMNS);
+}
 // A verify ring's x holds each token's group in X_PIECES_PER_GROUP + 1 pieces: the padding moves
 // token g + 1's pieces one bank group along, so lanes of different g read without conflicts.
 constexpr int X_TOKEN_PIECES = X_PIECES_PER_GROUP + 1;
@@ -306,12 +308,19 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       copy_async_commit();
       copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
       __syncwarp();                   // and so have every other lane's (x)
-      if constexpr (ROWS) {
-       if (i < count) {
-        // Verify: block c of 8 tokens gets column g from token 8 c + g (the last token's x where
-        // there are fewer: those columns are computed and dropped).
+      if (i < count) {  // the same for the whole warp
+        // This lane's 32 activations, 8 per word of the weights. Decode's x is the same in every
+        // column and serves every tile: loaded once. Verifying, column g of block c comes from token
+        // 8 c + g (the last token's x where there are fewer: those columns are computed and dropped),
+        // loaded where it is used, so the tokens' x do not all occupy registers at once.
         constexpr int BLOCKS = (TOKENS + MMA_COLUMNS - 1) / MMA_COLUMNS;
+        const int blocks = (tokens + MMA_COLUMNS - 1) / MMA_COLUMNS;
         const uint4* slot_x = x_ring + u * slot_pieces;
+        uint4 decode_x[4];
+        if constexpr (!ROWS) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) decode_x[j] = slot_x[4 * t + j];
+        }
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
           const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
@@ -319,13 +328,14 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
           float d[BLOCKS][4] = {};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            unsigned int p0[4], p1[4];
+            unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
             unpack_int4_word(words0[j], p0);
             unpack_int4_word(words1[j], p1);
 #pragma unroll
             for (int c = 0; c < BLOCKS; ++c) {
-              if (c * MMA_COLUMNS >= tokens) break;  // the same for the whole warp
-              const uint4 xv = slot_x[min(c * MMA_COLUMNS + g, tokens - 1) * X_TOKEN_PIECES + 4 * t + j];
+              if (c >= blocks) break;  // the same for the whole warp
+              const uint4 xv = ROWS ? slot_x[min(c * MMA_COLUMNS + g, tokens - 1) * X_TOKEN_PIECES + 4 * t + j]
+                                    : decode_x[j];
               mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
               mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
             }
@@ -338,46 +348,18 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
             scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
           }
           const float s0 = half_to_float(scale0), s1 = half_to_float(scale1);
+          if constexpr (ROWS) {
 #pragma unroll
-          for (int c = 0; c < BLOCKS; ++c) {
-            acc[tile][4 * c + 0] = fmaf(s0, d[c][0], acc[tile][4 * c + 0]);
-            acc[tile][4 * c + 1] = fmaf(s0, d[c][1], acc[tile][4 * c + 1]);
-            acc[tile][4 * c + 2] = fmaf(s1, d[c][2], acc[tile][4 * c + 2]);
-            acc[tile][4 * c + 3] = fmaf(s1, d[c][3], acc[tile][4 * c + 3]);
+            for (int c = 0; c < BLOCKS; ++c) {
+              acc[tile][4 * c + 0] = fmaf(s0, d[c][0], acc[tile][4 * c + 0]);
+              acc[tile][4 * c + 1] = fmaf(s0, d[c][1], acc[tile][4 * c + 1]);
+              acc[tile][4 * c + 2] = fmaf(s1, d[c][2], acc[tile][4 * c + 2]);
+              acc[tile][4 * c + 3] = fmaf(s1, d[c][3], acc[tile][4 * c + 3]);
+            }
+          } else {  // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1)
+            acc[tile][0] = fmaf(s0, d[0][0], acc[tile][0]);
+            acc[tile][1] = fmaf(s1, d[0][2], acc[tile][1]);
           }
-        }
-       }
-      } else if (i < count) {  // the same for the whole warp
-        uint4 xv[4];  // this lane's 32 activations, 8 per word of the weights
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = x_ring[u * X_PIECES_PER_GROUP + 4 * t + j];
-        const unsigned int xs[4][4] = {{xv[0].x, xv[0].y, xv[0].z, xv[0].w},
-                                       {xv[1].x, xv[1].y, xv[1].z, xv[1].w},
-                                       {xv[2].x, xv[2].y, xv[2].z, xv[2].w},
-                                       {xv[3].x, xv[3].y, xv[3].z, xv[3].w}};
-#pragma unroll
-        for (int tile = 0; tile < TILES; ++tile) {
-          const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
-          const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
-          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
-            unpack_int4_word(words0[j], p0);
-            unpack_int4_word(words1[j], p1);
-            mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xs[j][0], xs[j][1]);
-            mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xs[j][2], xs[j][3]);
-          }
-          // d[0] is row g (column 2t), d[2] row g + 8; d[1], d[3] repeat them (column 2t+1).
-          unsigned short scale0, scale1;
-          if constexpr (STAGED) {
-            const unsigned short* group_scales = tile_scales + tile * TILE_ROWS * GROUPS + group_begin + i;
-            scale0 = group_scales[scale_rows[0] * GROUPS], scale1 = group_scales[scale_rows[1] * GROUPS];
-          } else {
-            scale0 = scale_ring[u][tile][0], scale1 = scale_ring[u][tile][1];
-          }
-          acc[tile][0] = fmaf(half_to_float(scale0), d[0], acc[tile][0]);
-          acc[tile][1] = fmaf(half_to_float(scale1), d[2], acc[tile][1]);
         }
       }
     }
@@ -413,25 +395,37 @@ __device__ __forceinline__ void add_splits(float (&split_sums)[MAX_SPLITS][TILES
   }
 }
 
-// One 16-row tile of a split-K GEMV: warp `split` of the block's `splits` warps multiplies input
-// groups [split G / splits, (split + 1) G / splits) of the rows `rows` (lane (g, t): rows[0][0] and
-// rows[0][1], as int4_tile_dot takes them) into its own ring, and after one barrier thread m < 16
-// of the block returns MMA row m's total, begun from start() (its bias) and added in split order.
-// start is called after the weights are in, so that a kernel that has no use for its value before
-// then does not hold it in a register through the loop. Every thread of the block calls it.
+// Warp `split` of the block's `splits` warps multiplies input groups [split G / splits, (split + 1)
+// G / splits) of the rows `rows` (lane (g, t): rows[0][0] and rows[0][1], as int4_tile_dot takes
+// them) with x into acc. Decode's split-K GEMVs and the verify pass's share it, so that both cut
+// K alike and a verify row's sums are decode's.
+template <int K, int STAGES, bool AHEAD, int TOKENS>
+__device__ __forceinline__ void split_k_tile_dot(const unsigned int* __restrict__ qweight,
+                                                 const unsigned short* __restrict__ scales, const unsigned short* x,
+                                                 const int (&rows)[1][2],
+                                                 uint4 (&weight_ring)[STAGES][1][2][WARP_SIZE], uint4* x_ring,
+                                                 int tokens, float (&acc)[1][gemv_accumulators(TOKENS)]) {
+  constexpr int GROUPS = K / NQ_GROUP_SIZE;
+  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE;
+  const int unused[2] = {0, 0};
+  int4_tile_dot<K, 1, STAGES, false, AHEAD, TOKENS>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
+                                                    (split + 1) * GROUPS / splits, weight_ring, x_ring, tokens, acc);
+}
+
+// One 16-row tile of a split-K GEMV (split_k_tile_dot), each warp into its own ring; after one
+// barrier thread m < 16 of the block returns MMA row m's total, begun from start() (its bias) and
+// added in split order. start is called after the weights are in, so that a kernel that has no use
+// for its value before then does not hold it in a register through the loop. Every thread of the
+// block calls it.
 // dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>)
 template <int K, int STAGES, bool AHEAD, typename Start>
 __device__ __forceinline__ float split_k_tile_row(const unsigned int* __restrict__ qweight,
                                                   const unsigned short* __restrict__ scales, const unsigned short* x,
                                                   const int (&rows)[1][2], Start start) {
-  constexpr int GROUPS = K / NQ_GROUP_SIZE;
   __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE;
-  const int unused[2] = {0, 0};
   float acc[1][2] = {{0.0f, 0.0f}};
-  GemvRing<STAGES, 1>& ring = reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[split];
-  int4_tile_dot<K, 1, STAGES, false, AHEAD>(qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits,
-                                            (split + 1) * GROUPS / splits, ring.weights, &ring.x[0][0], 1, acc);
+  GemvRing<STAGES, 1>& ring = reinterpret_cast<GemvRing<STAGES, 1>*>(gemv_shared)[threadIdx.x / WARP_SIZE];
+  split_k_tile_dot<K, STAGES, AHEAD, 1>(qweight, scales, x, rows, ring.weights, &ring.x[0][0], 1, acc);
   const float starts[1] = {start()};
   float total[1] = {0.0f};
   add_splits(split_sums, acc, starts, total);
@@ -505,6 +499,31 @@ __device__ __forceinline__ int rope_tile_dim(int first_dim, int m) {
   return first_dim + m % ROPE_PAIRS_PER_TILE + (m >= ROPE_PAIRS_PER_TILE ? ROPE_HALF : 0);
 }
 
+// Lane (g, t)'s rows of block blockIdx.x's tile: head_slot's dims g and g + 8 of the block's order.
+__device__ __forceinline__ void rope_tile_rows(int (&rows)[1][2], int& head_slot, int& first_dim) {
+  const int lane = threadIdx.x % WARP_SIZE;
+  head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
+  first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  const int head_row = head_slot * NQ_HEAD_DIM;
+  rows[0][0] = head_row + rope_tile_dim(first_dim, lane / 4);
+  rows[0][1] = head_row + rope_tile_dim(first_dim, lane / 4 + 8);
+}
+
+// Dim `dim` of head slot `head_slot` of one token: a query head's rotated value into its q row
+// (q_row fp32 [Q_DIM]), a K head's rotated one and a V head's as it is (`total`), fp16, into row
+// `slot` of `page`.
+__device__ __forceinline__ void store_qkv_dim(int head_slot, int dim, float total, float rotated, long long page,
+                                              int slot, unsigned short* __restrict__ kv_layer, float* __restrict__ q_row) {
+  if (head_slot < NQ_NUM_HEADS) {
+    q_row[head_slot * NQ_HEAD_DIM + dim] = rotated;
+    return;
+  }
+  const int kv_slot = head_slot - NQ_NUM_HEADS;
+  const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
+  kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, slot, dim)] =
+      float_to_half(is_key ? rotated : total);
+}
+
 extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
 gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                    const unsigned short* __restrict__ bias, const unsigned short* x,
@@ -512,11 +531,10 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
                    const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
                    float* __restrict__ q_out) {
   let_next_kernel_launch();
-  const int split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
-  const int first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  const int split = threadIdx.x / WARP_SIZE;
+  int rows[1][2], head_slot, first_dim;
+  rope_tile_rows(rows, head_slot, first_dim);
   const int head_row = head_slot * NQ_HEAD_DIM;
-  const int rows[1][2] = {{head_row + rope_tile_dim(first_dim, lane / 4), head_row + rope_tile_dim(first_dim, lane / 4 + 8)}};
   // Thread m < 16 finishes row m. Its bias, rotation and page are no kernel's output (the position
   // and the page table are the step's inputs): all of them before the wait, inside int4_tile_dot.
   const bool finishes = threadIdx.x < TILE_ROWS;
@@ -535,15 +553,8 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
   const float partner = __shfl_xor_sync(FULL_MASK, total, ROPE_PAIRS_PER_TILE);  // rows m and m ^ 8
   if (!finishes) return;
   const bool first = threadIdx.x < ROPE_PAIRS_PER_TILE;  // dim i, not i + head_dim/2
-  const float rotated = rope_rotate(total, partner, c, s, first);
-  if (head_slot < NQ_NUM_HEADS) {
-    q_out[head_row + dim] = rotated;
-    return;
-  }
-  const int kv_slot = head_slot - NQ_NUM_HEADS, slot = position % NQ_PAGE_SIZE;
-  const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
-  kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, slot, dim)] =
-      float_to_half(is_key ? rotated : total);
+  store_qkv_dim(head_slot, dim, total, rope_rotate(total, partner, c, s, first), page, position % NQ_PAGE_SIZE,
+                kv_layer, q_out);
 }
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
@@ -560,13 +571,16 @@ NQ_EXPORT_INT(GATE_UP_MAX_SPLITS)
 using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
 __device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
 
-extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
-gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                       const unsigned short* x, unsigned short* __restrict__ h) {
+// Block blockIdx.x's tile of gate's rows and the same rows of up, times x, its warps splitting the
+// input groups: stages the two tiles' scales in `tile_scales` and leaves each warp's sums in acc
+// (int4_tile_dot's layout, tile 0 gate's, tile 1 up's). Decode's kernel and the verify pass's.
+template <int STAGES, int TOKENS>
+__device__ __forceinline__ void gate_up_tile_dot(const unsigned int* __restrict__ qweight,
+                                                 const unsigned short* __restrict__ scales, const unsigned short* x,
+                                                 unsigned short (&tile_scales)[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)],
+                                                 uint4 (&weight_ring)[STAGES][2][2][WARP_SIZE], uint4* x_ring,
+                                                 int tokens, float (&acc)[2][gemv_accumulators(TOKENS)]) {
   constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * GROUPS];  // gate's tile, up's tile
-  __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][TILE_ROWS];
-  let_next_kernel_launch();
   const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int first_row = blockIdx.x * TILE_ROWS, tile_rows = min(TILE_ROWS, NQ_INTERMEDIATE - first_row);
   stage_scales(tile_scales[0], scales + (long long)first_row * GROUPS, tile_rows * GROUPS, threadIdx.x, blockDim.x);
@@ -576,20 +590,28 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
   const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
   const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};  // up's rows sit as gate's in their tile
+  int4_tile_dot<NQ_HIDDEN, 2, STAGES, true, false, TOKENS>(qweight, scales, tile_scales[0], scale_rows, x, rows,
+                                                           split * GROUPS / splits, (split + 1) * GROUPS / splits,
+                                                           weight_ring, x_ring, tokens, acc);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
+__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
+extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
+gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                       const unsigned short* x, unsigned short* __restrict__ h) {
+  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)];  // gate's, up's
+  __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][TILE_ROWS];
+  let_next_kernel_launch();
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  GateUpRing& ring = reinterpret_cast<GateUpRing*>(gemv_shared)[split];
-  int4_tile_dot<NQ_HIDDEN, 2, NQ_GATE_UP_STAGES, true>(qweight, scales, tile_scales[0], scale_rows, x, rows,
-                                                       split * GROUPS / splits, (split + 1) * GROUPS / splits,
-                                                       ring.weights, &ring.x[0][0], 1, acc);
+  GateUpRing& ring = reinterpret_cast<GateUpRing*>(gemv_shared)[threadIdx.x / WARP_SIZE];
+  gate_up_tile_dot<NQ_GATE_UP_STAGES, 1>(qweight, scales, x, tile_scales, ring.weights, &ring.x[0][0], 1, acc);
   const float start[2] = {0.0f, 0.0f};
   float total[2];  // gate's, up's
   add_splits(split_sums, acc, start, total);
-  const int row = first_row + threadIdx.x;
-  if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) {
-    const float gate = total[0], up = total[1];
-    // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
-    h[row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
-  }
+  const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
+  if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) h[row] = float_to_half(silu_times(total[0], total[1]));
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a

@@ -54,6 +54,19 @@ __device__ __forceinline__ void load_lm_row(const uint4* __restrict__ weight, in
   }
 }
 
+// The temperature of the lm_head's keys: 0 (the keys are the logits) when greedy, and with a top-k,
+// where argmax_select_next filters the plain logits before it draws.
+__device__ __forceinline__ double key_temperature(const SamplerSettings* sampler) {
+  return sampler == nullptr || sampler->top_k > 0 ? 0.0 : sampler->temperature;
+}
+
+// Row `row`'s key from its logit and its noise T * g (gumbel_noise(step, row)): separate
+// roundings, as numpy's keys: logit + (T * g), never one fused multiply-add.
+__device__ __forceinline__ double scaled_noise(double temperature, unsigned int step, int row) {
+  return __dmul_rn(temperature, gumbel_noise(step, row));
+}
+__device__ __forceinline__ float noisy_key(float logit, double noise) { return (float)__dadd_rn((double)logit, noise); }
+
 // One warp's rows, from `first_row` (whose pieces `w` already holds) in steps of the grid's warps:
 // each row's logit into `logits`, the best key so far into best_value and best_index. A template,
 // so that the greedy scan carries none of the sampler's instructions.
@@ -65,8 +78,7 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
   const int warps_in_grid = gridDim.x * LM_WARPS;
   for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
     if (row != first_row) load_lm_row(weight, row, lane, w);
-    // Separate roundings, as numpy's keys: logit + (T * g), never one fused multiply-add.
-    const double noise = SAMPLING ? __dmul_rn(temperature, gumbel_noise(step, row)) : 0.0;
+    const double noise = SAMPLING ? scaled_noise(temperature, step, row) : 0.0;
     float sum = 0.0f;
 #pragma unroll
     for (int p = 0; p < LM_PIECES_PER_LANE; ++p)
@@ -74,7 +86,7 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
     sum = warp_sum(sum);  // every lane now holds the row's logit
     if (lane == 0) logits[row] = sum;
     saw_non_finite |= !(sum < POSITIVE_INFINITY);  // NaN or +inf
-    const float key = SAMPLING ? (float)__dadd_rn((double)sum, noise) : sum;
+    const float key = SAMPLING ? noisy_key(sum, noise) : sum;
     if (better_candidate(key, row, best_value, best_index)) {
       best_value = key;
       best_index = row;
@@ -108,8 +120,7 @@ lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restri
   if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
   // No kernel of this step writes the sampler (the host sets it before the launch) or the position
   // (the previous step's argmax_select_next advanced it): both can be read before the wait.
-  // With top-k the lm_head leaves plain logits: argmax_select_next filters them, then draws.
-  const double temperature = sampler == nullptr || sampler->top_k > 0 ? 0.0 : sampler->temperature;
+  const double temperature = key_temperature(sampler);
   const unsigned int step = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION]) : 0u;
   wait_for_previous_kernel();
   for (int piece = threadIdx.x; piece < LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];

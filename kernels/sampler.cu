@@ -433,6 +433,26 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
   return index;
 }
 
+// The lm_head's per-block candidates [0, count) reduced to the best (value, index), which every
+// thread gets; true when some block saw a NaN or +inf logit (its candidate value is NaN). The
+// whole block calls it; it begins with a barrier, so calls may follow each other.
+__device__ __forceinline__ bool reduce_candidates(const float* values, const int* indices, int count, float& value,
+                                                  int& index) {
+  value = NEGATIVE_INFINITY;
+  index = 0;
+  bool flagged = false;
+  for (int c = threadIdx.x; c < count; c += ARGMAX_THREADS) {
+    flagged |= values[c] != values[c];  // NaN
+    if (better_candidate(values[c], indices[c], value, index)) {
+      value = values[c];
+      index = indices[c];
+    }
+  }
+  flagged = __syncthreads_or(flagged);
+  block_argmax(value, index);
+  return flagged;
+}
+
 // The decode step's last kernel: reduce the lm_head's per-block candidates to the chosen token
 // (the argmax of the keys: the logits when greedy, logit + T * noise when sampling), store it as
 // the next step's input token, and advance position and sequence length, so consecutive steps
@@ -459,18 +479,9 @@ argmax_select_next(const float* candidate_values, const int* candidate_indices,
   const bool filter = sampler != nullptr && sampler->top_k > 0 && sampler->temperature > 0;
   const int position = state[STATE_POSITION];
   wait_for_previous_kernel();  // the candidates are lm_head_logits' output
-  float value = NEGATIVE_INFINITY;
-  int index = 0;
-  bool flagged = false;  // some block saw a NaN or +inf logit
-  for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {
-    flagged |= candidate_values[c] != candidate_values[c];  // NaN
-    if (better_candidate(candidate_values[c], candidate_indices[c], value, index)) {
-      value = candidate_values[c];
-      index = candidate_indices[c];
-    }
-  }
-  flagged = __syncthreads_or(flagged);
-  block_argmax(value, index);
+  float value;
+  int index;
+  const bool flagged = reduce_candidates(candidate_values, candidate_indices, num_candidates, value, index);
   const bool usable = !flagged && value != NEGATIVE_INFINITY;
   int status = usable ? 0 : STATUS_NOT_FINITE;
   if (filter && usable) {

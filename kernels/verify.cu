@@ -98,11 +98,22 @@ __device__ __forceinline__ float split_total(const float (&split_sums)[MAX_SPLIT
   return total;
 }
 
-// Every (token, row) of a block's tile once: entry e is token e / 16, row e % 16. A whole block
-// runs the same passes, so the 16 entries of a token sit in one half-warp (the RoPE partner
-// shuffle relies on it).
-#define NQ_FOR_TILE_ENTRIES(e, tokens) \
-  for (int e##_base = 0; e##_base < (tokens) * TILE_ROWS; e##_base += blockDim.x)
+// One 16-row tile of a verify GEMV: split_k_tile_dot for `tokens` rows of x, each warp into its own
+// ring, then every warp's sums into split_sums (one barrier).
+template <int K, int STAGES>
+__device__ __forceinline__ void rows_tile_sums(const unsigned int* __restrict__ qweight,
+                                               const unsigned short* __restrict__ scales, const unsigned short* x,
+                                               const int (&rows)[1][2], int tokens,
+                                               float (&split_sums)[SPLIT_K_MAX_WARPS][1][VERIFY_ROWS][TILE_ROWS]) {
+  float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
+  VerifyRing<STAGES, 1> ring = verify_ring<STAGES, 1>(threadIdx.x / WARP_SIZE, tokens);
+  split_k_tile_dot<K, STAGES, false, VERIFY_ROWS>(qweight, scales, x, rows, ring.weights, ring.x, tokens, acc);
+  store_split_sums(split_sums, acc, tokens);
+}
+
+// After rows_tile_sums the block finishes every (token, row of the tile) once, entry e being token
+// e / 16 and row e % 16, in passes of blockDim.x entries. Every thread runs every pass, so the 16
+// entries of a token sit in one half-warp (the RoPE partner shuffle relies on it).
 
 // y[token] = W x[token] (+ bias) for `tokens` rows of x, as gemv_int4_split_k computes one.
 //   x fp16 [tokens, K], y fp32 [tokens, n_rows]; the rest as gemv_int4_split_k's.
@@ -114,21 +125,14 @@ __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __res
                                                        const unsigned short* __restrict__ bias,
                                                        const unsigned short* x, float* __restrict__ y, int n_rows,
                                                        int tokens) {
-  constexpr int GROUPS = K / NQ_GROUP_SIZE;
   __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][VERIFY_ROWS][TILE_ROWS];
   let_next_kernel_launch();
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int lane = threadIdx.x % WARP_SIZE;
   const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
   const int rows[1][2] = {{min(row0, n_rows - 1), min(row1, n_rows - 1)}};
-  const int unused[2] = {0, 0};
-  float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<STAGES, 1> ring = verify_ring<STAGES, 1>(split, tokens);
-  int4_tile_dot<K, 1, STAGES, false, false, VERIFY_ROWS>(
-      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
-      ring.weights, ring.x, tokens, acc);
-  store_split_sums(split_sums, acc, tokens);
-  NQ_FOR_TILE_ENTRIES(entry, tokens) {
-    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
+  rows_tile_sums<K, STAGES>(qweight, scales, x, rows, tokens, split_sums);
+  for (int base = 0; base < tokens * TILE_ROWS; base += blockDim.x) {
+    const int e = base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
     const int row = blockIdx.x * TILE_ROWS + r;
     if (token < tokens && row < n_rows)
       y[(long long)token * n_rows + row] =
@@ -136,12 +140,12 @@ __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __res
   }
 }
 
-#define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K, STAGES)                                                                  \
+#define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K, STAGES)                                                          \
   extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows, int tokens) {                                                                       \
-    gemv_int4_rows_split_k<K, STAGES>(qweight, scales, bias, x, y, n_rows, tokens);                                \
+    gemv_int4_rows_split_k<K, STAGES>(qweight, scales, bias, x, y, n_rows, tokens);                        \
   }
 
 NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_q_dim, NQ_Q_DIM, NQ_VERIFY_O_STAGES)
@@ -149,31 +153,23 @@ NQ_GEMV_INT4_ROWS_KERNEL(gemv_int4_rows_from_intermediate, NQ_INTERMEDIATE, NQ_V
 
 // gemv_int4_qkv_rope for `tokens` rows at positions positions[0] + token: each row's q rotated into
 // q_out [tokens, Q_DIM], its K and V into its page. Block and row order as gemv_int4_qkv_rope's.
-// grid (NQ_QKV_DIM / 16), block (32 splits), dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_QKV_STAGES, 1>(tokens)
+// grid (NQ_QKV_DIM / 16), block (32 splits),
+// dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_QKV_STAGES, 1>(tokens)
 extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
 gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                         const unsigned short* __restrict__ bias, const unsigned short* x,
                         const int* __restrict__ positions, const float* __restrict__ inv_freq,
                         const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
                         float* __restrict__ q_out, int tokens) {
-  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
   __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][VERIFY_ROWS][TILE_ROWS];
   let_next_kernel_launch();
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;
-  const int first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  int rows[1][2], head_slot, first_dim;
+  rope_tile_rows(rows, head_slot, first_dim);
   const int head_row = head_slot * NQ_HEAD_DIM;
-  const int rows[1][2] = {{head_row + rope_tile_dim(first_dim, lane / 4), head_row + rope_tile_dim(first_dim, lane / 4 + 8)}};
-  const int unused[2] = {0, 0};
   const int first_position = positions[0];
-  float acc[1][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<NQ_VERIFY_QKV_STAGES, 1> ring = verify_ring<NQ_VERIFY_QKV_STAGES, 1>(split, tokens);
-  int4_tile_dot<NQ_HIDDEN, 1, NQ_VERIFY_QKV_STAGES, false, false, VERIFY_ROWS>(
-      qweight, scales, nullptr, unused, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
-      ring.weights, ring.x, tokens, acc);
-  store_split_sums(split_sums, acc, tokens);
-  NQ_FOR_TILE_ENTRIES(entry, tokens) {
-    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, m = e % TILE_ROWS;
+  rows_tile_sums<NQ_HIDDEN, NQ_VERIFY_QKV_STAGES>(qweight, scales, x, rows, tokens, split_sums);
+  for (int base = 0; base < tokens * TILE_ROWS; base += blockDim.x) {
+    const int e = base + threadIdx.x, token = e / TILE_ROWS, m = e % TILE_ROWS;
     const bool finishes = token < tokens;
     const int dim = rope_tile_dim(first_dim, m);
     const float total = finishes ? split_total(split_sums, 0, token, m,
@@ -184,50 +180,32 @@ gemv_int4_qkv_rope_rows(const unsigned int* __restrict__ qweight, const unsigned
     const int position = first_position + token;
     float c, s;
     rope_cos_sin(position, inv_freq[dim % ROPE_HALF], c, s);
-    const float rotated = rope_rotate(total, partner, c, s, m < ROPE_PAIRS_PER_TILE);
-    if (head_slot < NQ_NUM_HEADS) {
-      q_out[(long long)token * NQ_Q_DIM + head_row + dim] = rotated;
-      continue;
-    }
-    const int kv_slot = head_slot - NQ_NUM_HEADS;
-    const bool is_key = kv_slot < NQ_NUM_KV_HEADS;
-    const long long page = page_table[position / NQ_PAGE_SIZE];
-    kv_layer[kv_index(page, is_key ? 0 : 1, is_key ? kv_slot : kv_slot - NQ_NUM_KV_HEADS, position % NQ_PAGE_SIZE,
-                      dim)] = float_to_half(is_key ? rotated : total);
+    const long long page = head_slot >= NQ_NUM_HEADS ? page_table[position / NQ_PAGE_SIZE] : 0;
+    store_qkv_dim(head_slot, dim, total, rope_rotate(total, partner, c, s, m < ROPE_PAIRS_PER_TILE), page,
+                  position % NQ_PAGE_SIZE, kv_layer, q_out + (long long)token * NQ_Q_DIM);
   }
 }
 
-// gemv_int4_gate_up_silu for `tokens` rows: h [tokens, I] fp16. Scales staged as there.
-// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS), dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_GATE_UP_STAGES, 2>(tokens)
+// gemv_int4_gate_up_silu for `tokens` rows: h [tokens, I] fp16.
+// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS),
+// dynamic shared memory splits x verify_ring_bytes<NQ_VERIFY_GATE_UP_STAGES, 2>(tokens)
 extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
 gemv_int4_gate_up_silu_rows(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                             const unsigned short* x, unsigned short* __restrict__ h, int tokens) {
-  constexpr int GROUPS = NQ_HIDDEN / NQ_GROUP_SIZE;
-  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * GROUPS];
+  __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)];
   __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][VERIFY_ROWS][TILE_ROWS];
   let_next_kernel_launch();
-  const int splits = blockDim.x / WARP_SIZE, split = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int first_row = blockIdx.x * TILE_ROWS, tile_rows = min(TILE_ROWS, NQ_INTERMEDIATE - first_row);
-  stage_scales(tile_scales[0], scales + (long long)first_row * GROUPS, tile_rows * GROUPS, threadIdx.x, blockDim.x);
-  stage_scales(tile_scales[1], scales + (long long)(NQ_INTERMEDIATE + first_row) * GROUPS, tile_rows * GROUPS,
-               threadIdx.x, blockDim.x);
-  const int row0 = first_row + lane / 4, row1 = row0 + 8;
-  const int gate0 = min(row0, NQ_INTERMEDIATE - 1), gate1 = min(row1, NQ_INTERMEDIATE - 1);
-  const int rows[2][2] = {{gate0, gate1}, {NQ_INTERMEDIATE + gate0, NQ_INTERMEDIATE + gate1}};
-  const int scale_rows[2] = {gate0 - first_row, gate1 - first_row};
   float acc[2][gemv_accumulators(VERIFY_ROWS)] = {};
-  VerifyRing<NQ_VERIFY_GATE_UP_STAGES, 2> ring = verify_ring<NQ_VERIFY_GATE_UP_STAGES, 2>(split, tokens);
-  int4_tile_dot<NQ_HIDDEN, 2, NQ_VERIFY_GATE_UP_STAGES, true, false, VERIFY_ROWS>(
-      qweight, scales, tile_scales[0], scale_rows, x, rows, split * GROUPS / splits, (split + 1) * GROUPS / splits,
-      ring.weights, ring.x, tokens, acc);
+  VerifyRing<NQ_VERIFY_GATE_UP_STAGES, 2> ring = verify_ring<NQ_VERIFY_GATE_UP_STAGES, 2>(threadIdx.x / WARP_SIZE, tokens);
+  gate_up_tile_dot<NQ_VERIFY_GATE_UP_STAGES, VERIFY_ROWS>(qweight, scales, x, tile_scales, ring.weights, ring.x,
+                                                         tokens, acc);
   store_split_sums(split_sums, acc, tokens);
-  NQ_FOR_TILE_ENTRIES(entry, tokens) {
-    const int e = entry_base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
-    const int row = first_row + r;
-    if (token < tokens && row < NQ_INTERMEDIATE) {
-      const float gate = split_total(split_sums, 0, token, r, 0.0f), up = split_total(split_sums, 1, token, r, 0.0f);
-      h[(long long)token * NQ_INTERMEDIATE + row] = float_to_half(gate / (1.0f + expf(-gate)) * up);
-    }
+  for (int base = 0; base < tokens * TILE_ROWS; base += blockDim.x) {
+    const int e = base + threadIdx.x, token = e / TILE_ROWS, r = e % TILE_ROWS;
+    const int row = blockIdx.x * TILE_ROWS + r;
+    if (token < tokens && row < NQ_INTERMEDIATE)
+      h[(long long)token * NQ_INTERMEDIATE + row] =
+          float_to_half(silu_times(split_total(split_sums, 0, token, r, 0.0f), split_total(split_sums, 1, token, r, 0.0f)));
   }
 }
 
@@ -252,7 +230,7 @@ lm_head_logits_rows(const uint4* x, const uint4* __restrict__ weight, float* __r
   const int first_row = blockIdx.x * LM_WARPS + warp;
   uint4 w[LM_PIECES_PER_LANE];
   if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
-  const double temperature = sampler == nullptr || sampler->top_k > 0 ? 0.0 : sampler->temperature;
+  const double temperature = key_temperature(sampler);
   unsigned int steps[VERIFY_ROWS];
 #pragma unroll
   for (int j = 0; j < VERIFY_ROWS; ++j) steps[j] = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION] + j) : 0u;
@@ -300,9 +278,7 @@ lm_head_logits_rows(const uint4* x, const uint4* __restrict__ weight, float* __r
       const float sum = warp_sum(sums[j]);
       if (lane == 0) logits[(long long)j * NQ_VOCAB + row] = sum;
       if (!(sum < POSITIVE_INFINITY)) non_finite |= 1u << j;
-      const float key = temperature > 0
-                            ? (float)__dadd_rn((double)sum, __dmul_rn(temperature, gumbel_noise(steps[j], row)))
-                            : sum;
+      const float key = temperature > 0 ? noisy_key(sum, scaled_noise(temperature, steps[j], row)) : sum;
       if (better_candidate(key, row, best_value[j], best_index[j])) {
         best_value[j] = key;
         best_index[j] = row;
@@ -346,20 +322,11 @@ verify_select(const float* candidate_values, const int* candidate_indices, int n
   wait_for_previous_kernel();
   int accepted = 0, status = 0;
   for (int j = 0; j < tokens; ++j) {
-    const float* values = candidate_values + (long long)j * num_candidates;
-    const int* indices = candidate_indices + (long long)j * num_candidates;
-    float value = NEGATIVE_INFINITY;
-    int index = 0;
-    bool flagged = false;
-    for (int c = threadIdx.x; c < num_candidates; c += ARGMAX_THREADS) {
-      flagged |= values[c] != values[c];
-      if (better_candidate(values[c], indices[c], value, index)) {
-        value = values[c];
-        index = indices[c];
-      }
-    }
-    flagged = __syncthreads_or(flagged);  // also the barrier between two block_argmax calls
-    block_argmax(value, index);
+    float value;
+    int index;
+    const bool flagged = reduce_candidates(candidate_values + (long long)j * num_candidates,
+                                           candidate_indices + (long long)j * num_candidates, num_candidates, value,
+                                           index);
     if (threadIdx.x == 0) chosen[j] = index;
     accepted = j + 1;
     if (flagged || value == NEGATIVE_INFINITY) {

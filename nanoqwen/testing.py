@@ -29,8 +29,9 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["DEFAULT_CONFIG", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms", "make_hf_checkpoint", "make_nanoqwen",
-           "make_tokenizer", "make_tokenizer_files", "reference_model", "rounding_noise", "rounding_tolerance"]
+__all__ = ["CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
+           "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files", "reference_model",
+           "rounding_noise", "rounding_tolerance"]
 
 # Small enough to build and run in well under a second; every dimension a multiple of the
 # INT4 group (128) where the format requires it, GQA 2:1, untied lm_head like the 7B.
@@ -47,6 +48,75 @@ DEFAULT_CONFIG = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+
+# Small models with the features in which the Qwen2 family's sizes differ, for the GPU tests: head_dim
+# 64 (0.5B) or 128, GQA ratios of 1, 5, 6, 7 and 8 query heads per KV head, tied or separate lm_head,
+# and group counts along K that split unevenly over the GEMVs' warps (hidden 5120 is 40 groups, MLP
+# 13824 is 108). Overrides of DEFAULT_CONFIG for make_nanoqwen.
+FAMILY_SHAPES = {
+    "head_dim 64, 7:1, tied (0.5B-like)": dict(hidden_size=896, intermediate_size=1280, num_heads=14, num_kv_heads=2,
+                                               head_dim=64, tie_word_embeddings=True),
+    "1:1 (no grouping)": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64),
+    "5:1, hidden 640, MLP 1792, tied": dict(hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1,
+                                            head_dim=128, tie_word_embeddings=True),
+    "6:1, head_dim 128 (1.5B-like)": dict(hidden_size=768, intermediate_size=2304, num_heads=6, num_kv_heads=1,
+                                          head_dim=128, tie_word_embeddings=True),
+    "8:1 over 16 query heads": dict(hidden_size=1024, intermediate_size=2048, num_heads=16, num_kv_heads=2, head_dim=64),
+    "14B widths: 40 and 108 groups, 5:1": dict(num_layers=1, hidden_size=5120, intermediate_size=13824, num_heads=40,
+                                               num_kv_heads=8, head_dim=128, vocab_size=1024),
+}
+
+# Code edits whose output mostly copies the prompt, the case speculative decoding is for: nano-coder
+# continues each by copying the code above it with the change the comment asks for.
+CODE_EDIT_PROMPTS = {
+    "copy a class": '''class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __repr__(self):
+        return f"Point({self.x}, {self.y})"
+
+
+class Vector:
+    def __init__(self, x, y):
+''',
+    "type hints": '''def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+
+def diagonal(width, height):
+    return (width ** 2 + height ** 2) ** 0.5
+
+# The same three functions, with type hints:
+def area(width: float, height: float) -> float:
+''',
+    "rename": '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+# The same function with `items` renamed to `cart`:
+def total_price(cart, tax_rate):
+''',
+    "add a field": '''class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __repr__(self):
+        return f"Point(x={self.x}, y={self.y})"
+
+# The same class with a third coordinate z:
+class Point:
+''',
+}
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")
 # Qwen2.5-Instruct's template shape: a default system turn when none is given, then ChatML.

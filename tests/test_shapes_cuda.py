@@ -1,8 +1,6 @@
 """The CUDA engine against the NumPy backend at the shapes the Qwen2 family has (GPU only).
 
-The published sizes differ in more than their widths: head_dim 64 (0.5B) or 128, GQA ratios of
-1, 5, 6, 7 and 8 query heads per KV head, tied or separate lm_head, and group counts along K
-that split unevenly over the GEMVs' warps (hidden 5120 is 40 groups, MLP 13824 is 108). Each case
+The published sizes differ in more than their widths (nanoqwen.testing.FAMILY_SHAPES). Each case
 is a small model with that feature, on `nanoqwen.testing`'s weights (clear top-1 margins), run
 teacher-forced through prefill (an odd prompt length, so the last page is partly filled) and
 decode steps that cross a page boundary; both backends follow the same numerics contract, so their
@@ -14,34 +12,22 @@ import pytest
 
 from nanoqwen import Engine
 from nanoqwen.backends import cuda_available
-from nanoqwen.testing import make_nanoqwen
+from nanoqwen.testing import FAMILY_SHAPES, make_nanoqwen
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU"),
 ]
 
-SHAPES = {
-    "head_dim 64, 7:1, tied (0.5B-like)": dict(hidden_size=896, intermediate_size=1280, num_heads=14, num_kv_heads=2,
-                                               head_dim=64, tie_word_embeddings=True),
-    "1:1 (no grouping)": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64),
-    "5:1, hidden 640, MLP 1792, tied": dict(hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1,
-                                            head_dim=128, tie_word_embeddings=True),
-    "6:1, head_dim 128 (1.5B-like)": dict(hidden_size=768, intermediate_size=2304, num_heads=6, num_kv_heads=1,
-                                          head_dim=128, tie_word_embeddings=True),
-    "8:1 over 16 query heads": dict(hidden_size=1024, intermediate_size=2048, num_heads=16, num_kv_heads=2, head_dim=64),
-    "14B widths: 40 and 108 groups, 5:1": dict(num_layers=1, hidden_size=5120, intermediate_size=13824, num_heads=40,
-                                               num_kv_heads=8, head_dim=128, vocab_size=1024),
-}
 PROMPT_TOKENS = 21  # one full page and 5 rows of the next
 DECODE_STEPS = 14  # up to position 34: into a third page
 # Rounding moves the logits by ~1e-3 of their norm; a wrong index, page or split moves them by O(1).
 MAX_RELATIVE_ERROR = 1e-2
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", FAMILY_SHAPES)
 def test_cuda_logits_follow_numpy(name, tmp_path):
-    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **SHAPES[name])
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **FAMILY_SHAPES[name])
     prompt = np.random.default_rng(1).integers(0, 512, PROMPT_TOKENS).astype(np.int32)
     tokens, runs = None, {}
     for backend in ("numpy", "cuda"):  # numpy first: its tokens feed both (teacher forcing)

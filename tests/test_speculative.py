@@ -23,7 +23,7 @@ from nanoqwen.kvcache import PAGE_SIZE, pages_needed
 from nanoqwen.reference.backend import NumpyBackend
 from nanoqwen.sampling import GREEDY, SamplingParams, sample
 from nanoqwen.speculative import MAX_DRAFTS, PromptLookup, accepted_tokens
-from nanoqwen.testing import make_nanoqwen
+from nanoqwen.testing import CODE_EDIT_PROMPTS, make_nanoqwen
 
 # pytest puts tests/ on sys.path: the fp16-rounding tolerance and the random models are reused.
 from test_engine_numpy import CONFIGS, tolerance  # noqa: E402
@@ -162,18 +162,7 @@ def test_verify_checks_its_inputs(coder):
 # ---- the engine: the same tokens in fewer passes ----
 
 # A code edit whose output copies its prompt: nano-coder writes Vector as a copy of Point.
-EDIT_PROMPT = '''class Point:
-    def __init__(self, x, y):
-        self.x = x
-        self.y = y
-
-    def __repr__(self):
-        return f"Point({self.x}, {self.y})"
-
-
-class Vector:
-    def __init__(self, x, y):
-'''
+EDIT_PROMPT = CODE_EDIT_PROMPTS["copy a class"]
 # Real code that repeats itself (lines of BAD_REQUESTS in test_engine_numpy.py): nano-coder
 # continues the pattern, so nearly every draft is right.
 CASES_PROMPT = '''BAD_REQUESTS = [

@@ -18,24 +18,18 @@ from nanoqwen.backends import cuda_available
 from nanoqwen.cli import DEFAULT_MODEL
 from nanoqwen.sampling import GREEDY, SamplingParams
 from nanoqwen.speculative import MAX_DRAFTS
-from nanoqwen.testing import make_nanoqwen
+from nanoqwen.testing import CODE_EDIT_PROMPTS, FAMILY_SHAPES, make_nanoqwen
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU"),
 ]
 
-SHAPES = {
-    "head_dim 64, 7:1, tied (0.5B-like)": dict(hidden_size=896, intermediate_size=1280, num_heads=14, num_kv_heads=2,
-                                               head_dim=64, tie_word_embeddings=True),
-    "1:1, vocab 1003": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64,
-                            vocab_size=1003),
-    "5:1, hidden 640, MLP 1792, tied": dict(hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1,
-                                            head_dim=128, tie_word_embeddings=True),
-    "8:1 over 16 query heads": dict(hidden_size=1024, intermediate_size=2048, num_heads=16, num_kv_heads=2, head_dim=64),
-    "7B widths, one layer": dict(num_layers=1, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
-                                 head_dim=128, vocab_size=2048),
-}
+# The family's features (vocab 1003 in one of them: not a multiple of 4), and the 7B's widths.
+SHAPES = {**FAMILY_SHAPES,
+          "1:1, vocab 1003": {**FAMILY_SHAPES["1:1 (no grouping)"], "vocab_size": 1003},
+          "7B widths, one layer": dict(num_layers=1, hidden_size=3584, intermediate_size=18944, num_heads=28,
+                                       num_kv_heads=4, head_dim=128, vocab_size=2048)}
 PROMPT_TOKENS = 21  # a full page and 5 rows of the next: the pass's rows cross into a third page
 
 
@@ -89,16 +83,7 @@ def coder():
         yield engine
 
 
-EDIT_PROMPT = '''def area(width, height):
-    return width * height
-
-
-def perimeter(width, height):
-    return 2 * (width + height)
-
-# The same two functions, with type hints:
-def area(width: float, height: float) -> float:
-'''
+EDIT_PROMPT = CODE_EDIT_PROMPTS["type hints"]
 NEW_TOKENS = 40
 SAMPLINGS = {"greedy": {}, "temperature": dict(temperature=0.8, seed=11),
              "top-k (host draw)": dict(temperature=0.8, top_k=5, seed=11)}

@@ -20,56 +20,19 @@ and OUT.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from record import record_header
+
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 8, 16]
 SPECULATE = [4, 8, 16]
-EDIT_PROMPTS = {
-    "type hints": '''def area(width, height):
-    return width * height
-
-
-def perimeter(width, height):
-    return 2 * (width + height)
-
-
-def diagonal(width, height):
-    return (width ** 2 + height ** 2) ** 0.5
-
-# The same three functions, with type hints:
-def area(width: float, height: float) -> float:
-''',
-    "rename": '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
-
-# The same function with `items` renamed to `cart`:
-def total_price(cart, tax_rate):
-''',
-    "add a field": '''class Point:
-    def __init__(self, x, y):
-        self.x = x
-        self.y = y
-
-    def __repr__(self):
-        return f"Point(x={self.x}, y={self.y})"
-
-# The same class with a third coordinate z:
-class Point:
-''',
-}
+EDIT_PROMPTS = ["type hints", "rename", "add a field"]  # of nanoqwen.testing.CODE_EDIT_PROMPTS
 SHORT_PROMPT = "# A function that returns the n-th prime number\n"
 
 
@@ -175,11 +138,12 @@ def main() -> int:
     from nanoqwen.byte_floor import floor_ms
     from nanoqwen.cli import DEFAULT_MODEL
     from nanoqwen.random_model import PRESETS, write_random_model
+    from nanoqwen.testing import CODE_EDIT_PROMPTS
 
     rng = np.random.default_rng(0)
     with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as coder:
         runs = {(name, n): recorded_run(coder, prompt, n) for name, prompt in
-                [*EDIT_PROMPTS.items(), ("short prompt", SHORT_PROMPT)] for n in SPECULATE}
+                [*((name, CODE_EDIT_PROMPTS[name]) for name in EDIT_PROMPTS), ("short prompt", SHORT_PROMPT)] for n in SPECULATE}
     model = Path(tempfile.mkdtemp()) / "7b.nanoqwen"
     write_random_model(model, PRESETS["qwen2.5-coder-7b"])
     with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
@@ -190,14 +154,8 @@ def main() -> int:
         floor = floor_ms(engine.config, PROMPT_TOKENS)
     effective = [dict(prompt=name, speculate=n, **summary, ms_per_token=priced(passes, costs))
                  for (name, n), (summary, passes) in runs.items()]
-    commit = os.environ.get("NANOQWEN_COMMIT") or subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
-        capture_output=True, text=True).stdout.strip() or "unknown"
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "commit": commit,
-        "command": "python3 tools/bench_speculative.py --out results/speculative-h200",
+        **record_header("python3 tools/bench_speculative.py --out results/speculative-h200"),
         "floor_ms": floor,
         "plain_ms_per_token": plain,
         "pass_costs_ms": {str(k): v for k, v in costs.items()},

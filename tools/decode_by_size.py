@@ -15,14 +15,13 @@ pool keeps what prefill took. Writes OUT.json
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from record import record_header
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
 SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
@@ -95,15 +94,8 @@ def main() -> int:
         r = rows[-1]
         print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
               f"({100 * r['share_of_floor']:.1f}%), peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
-    # A copy of the tree without .git (a device machine) names its commit in NANOQWEN_COMMIT.
-    commit = os.environ.get("NANOQWEN_COMMIT") or subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
-        capture_output=True, text=True).stdout.strip() or "unknown"
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "commit": commit,
-        "command": "python3 tools/decode_by_size.py --out results/decode-by-size-h200",
+        **record_header("python3 tools/decode_by_size.py --out results/decode-by-size-h200"),
         "rows": rows,
     }
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))

@@ -4,9 +4,11 @@ initcheck, each in its own process, each over the same requests.
     python3 tools/sanitize_engine.py --json results/sanitizer-engine-h200.json   # on a GPU machine
 
 The model is small enough for the sanitizers' slowdown (2 layers, hidden 640, heads 5:1, MLP
-1792, tied lm_head; `nanoqwen.testing`'s weights, whose logits have clear winners), and the requests reach every kernel the engine launches: a
-37-token prompt (two full KV pages and a partly filled third) through prefill, then greedy,
-temperature, top-k and top-p generations through the captured decode graph. CuPy's memory pool
+1792, tied lm_head; `nanoqwen.testing`'s weights, whose logits have clear winners), and the
+requests reach every kernel the engine launches: a 37-token prompt (two full KV pages and a
+partly filled third; a motif twice over) through prefill, then greedy, temperature, top-k and top-p
+generations through the captured decode graph, and greedy and sampled ones with speculate=4
+through the verify passes' graphs. CuPy's memory pool
 is switched off, so every array is an allocation of its own and an access past its end is an
 error rather than a read of a neighbour. Each run also checks its tokens against the NumPy
 backend's greedy ones, so a sanitizer that changed the schedule cannot pass a wrong answer.
@@ -34,7 +36,8 @@ SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5,
 PROMPT_TOKENS = 37
 NEW_TOKENS = 6
 REQUESTS = {"greedy": {}, "temperature 0.8": dict(temperature=0.8, seed=1),
-            "top-k 20": dict(temperature=0.8, top_k=20, seed=2), "top-p 0.9": dict(temperature=0.8, top_p=0.9, seed=3)}
+            "top-k 20": dict(temperature=0.8, top_k=20, seed=2), "top-p 0.9": dict(temperature=0.8, top_p=0.9, seed=3),
+            "greedy, speculate 4": dict(speculate=4), "temperature 0.8, speculate 4": dict(temperature=0.8, seed=1, speculate=4)}
 TIMEOUT_S = 420
 KERNEL_NAME = re.compile(r"(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)\+0x")
 
@@ -47,15 +50,18 @@ def run_requests(model_path: Path) -> None:
     import nanoqwen
 
     cp.cuda.set_allocator(None)
-    prompt = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], PROMPT_TOKENS).tolist()
+    # A motif twice over: the speculative requests find drafts in it and run verify passes.
+    motif = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], PROMPT_TOKENS // 2 + 1).tolist()
+    prompt = (motif * 2)[:PROMPT_TOKENS]
     with nanoqwen.Engine(model_path, backend="numpy") as engine:
         expected = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[]).token_ids
     with nanoqwen.Engine(model_path, backend="cuda", max_context=256) as engine:
         for label, settings in REQUESTS.items():
-            tokens = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], **settings).token_ids
-            if label == "greedy" and tokens != expected:
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], **settings)
+            tokens = result.token_ids
+            if label.startswith("greedy") and tokens != expected:
                 raise SystemExit(f"greedy tokens {tokens} differ from numpy's {expected}")
-            print(f"{label}: {tokens}", flush=True)
+            print(f"{label}: {tokens}, {result.accepted_drafts} of {result.drafted_tokens} drafts accepted", flush=True)
         cp.cuda.Device().synchronize()
 
 

@@ -11,6 +11,8 @@ about bytes in flight per SM and where a kernel's blocks land while the kernel b
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..quant import TILE_ROWS
 from .abi import (
     ARGMAX_THREADS,
@@ -104,14 +106,24 @@ def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:
     return stages * (tiles * TILE_ROWS * group_size // 2 + 2 * group_size)
 
 
-# A verify pass (kernels/verify.cu) runs decode's GEMVs for up to VERIFY_ROWS tokens, each verify
-# kernel with the warps (splits) of the decode projection it repeats: verify kernel -> (that
-# projection, decode's kernel, the macro of its ring depth).
+class VerifyGemv(NamedTuple):
+    """A verify-pass GEMV (kernels/verify.cu): decode's GEMV of `projection` (`decode_kernel`, whose
+    warps per block and launch geometry it takes) for several tokens, `tiles` weight tiles per warp,
+    its ring depth set by the macro `stages_macro`."""
+    projection: str
+    decode_kernel: str
+    tiles: int
+    stages_macro: str
+
+
+# A verify pass runs decode's GEMVs for up to VERIFY_ROWS tokens.
 VERIFY_ROWS = 17  # kernels/verify.cu's VERIFY_ROWS: nanoqwen.speculative.MAX_DRAFTS + 1
-VERIFY_GEMVS = {"gemv_int4_qkv_rope_rows": ("qkv", QKV_ROPE_KERNEL, "NQ_VERIFY_QKV_STAGES"),
-                "gemv_int4_rows_from_q_dim": ("o", "gemv_int4_from_q_dim", "NQ_VERIFY_O_STAGES"),
-                "gemv_int4_gate_up_silu_rows": ("gate_up", "gemv_int4_gate_up_silu", "NQ_VERIFY_GATE_UP_STAGES"),
-                "gemv_int4_rows_from_intermediate": ("down", "gemv_int4_from_intermediate", "NQ_VERIFY_DOWN_STAGES")}
+VERIFY_GEMVS = {
+    "gemv_int4_qkv_rope_rows": VerifyGemv("qkv", QKV_ROPE_KERNEL, 1, "NQ_VERIFY_QKV_STAGES"),
+    "gemv_int4_rows_from_q_dim": VerifyGemv("o", "gemv_int4_from_q_dim", 1, "NQ_VERIFY_O_STAGES"),
+    "gemv_int4_gate_up_silu_rows": VerifyGemv("gate_up", "gemv_int4_gate_up_silu", 2, "NQ_VERIFY_GATE_UP_STAGES"),
+    "gemv_int4_rows_from_intermediate": VerifyGemv("down", "gemv_int4_from_intermediate", 1, "NQ_VERIFY_DOWN_STAGES"),
+}
 VERIFY_STATIC_SHARED_BYTES = 24 * 1024  # a verify GEMV's split sums and staged scales, at most
 
 
@@ -124,7 +136,7 @@ def verify_ring_bytes(tiles: int, stages: int, tokens: int, group_size: int) -> 
 def verify_splits(kernel: str, config, num_sms: int) -> int:
     """Warps per block of a verify GEMV: decode's split of the same projection, so that each row's
     sums are added in decode's order."""
-    projection = VERIFY_GEMVS[kernel][0]
+    projection = VERIFY_GEMVS[kernel].projection
     if projection == "gate_up":
         return GATE_UP_SPLITS
     out_features, in_features = config.projection_shapes[projection]
@@ -136,8 +148,8 @@ def verify_stages(config, num_sms: int, shared_bytes: int, decode_stages: dict[s
     kernel -> depth), or less, down to 2, where a block's rings for VERIFY_ROWS tokens would not fit
     the `shared_bytes` a block may take."""
     depths = {}
-    for kernel, (_, decode_kernel, macro) in VERIFY_GEMVS.items():
-        tiles = 2 if kernel == "gemv_int4_gate_up_silu_rows" else 1
-        per_stage = verify_splits(kernel, config, num_sms) * verify_ring_bytes(tiles, 1, VERIFY_ROWS, config.group_size)
-        depths[macro] = max(2, min(decode_stages[decode_kernel], (shared_bytes - VERIFY_STATIC_SHARED_BYTES) // per_stage))
+    for kernel, gemv in VERIFY_GEMVS.items():
+        per_stage = verify_splits(kernel, config, num_sms) * verify_ring_bytes(gemv.tiles, 1, VERIFY_ROWS, config.group_size)
+        fit = (shared_bytes - VERIFY_STATIC_SHARED_BYTES) // per_stage
+        depths[gemv.stages_macro] = max(2, min(decode_stages[gemv.decode_kernel], fit))
     return depths

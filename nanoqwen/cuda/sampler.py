@@ -20,12 +20,18 @@ from .abi import (
 )
 
 
+def check_finite(status: int) -> None:
+    """FloatingPointError when a device status word says the argmax flagged the logits, as numpy's
+    choice raises on them."""
+    if status == STATUS_NOT_FINITE:
+        raise FloatingPointError("logits are not finite (the device's argmax saw NaN or +inf, or only -inf)")
+
+
 def token_of_head(head: np.ndarray) -> int | None:
     """The token in the head of the decode state (token, position, seq_len, status); None when the
     device left the draw to the host (STATUS_HOST_DRAWS); FloatingPointError when the device's
     argmax flagged the logits, as numpy's choice does."""
-    if head[STATE_STATUS] == STATUS_NOT_FINITE:
-        raise FloatingPointError("logits are not finite (the device's argmax saw NaN or +inf, or only -inf)")
+    check_finite(head[STATE_STATUS])
     if head[STATE_STATUS] == STATUS_HOST_DRAWS:
         return None
     return int(head[STATE_TOKEN])

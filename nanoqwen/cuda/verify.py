@@ -26,7 +26,7 @@ from .device import NULL, mapped_host_array
 from .graph import capture
 from .launch import programmatic_launches
 from .plan import VERIFY_GEMVS, VERIFY_ROWS, gemv_launch, verify_ring_bytes, verify_splits
-from .sampler import device_top_k, token_of_head
+from .sampler import check_finite, device_top_k
 
 VERDICT_HEAD = 2  # verify_select's verdict: accepted count, status, then the accepted tokens
 
@@ -37,10 +37,11 @@ class VerifyPass:
     def _init_verify(self, module) -> None:
         self.verify_rows = build.module_int(module, "abi_VERIFY_ROWS")
         if self.verify_rows != VERIFY_ROWS or self.verify_rows < MAX_DRAFTS + 1:
-            raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows, speculation drafts up to {MAX_DRAFTS} + 1")
+            raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows, plan.VERIFY_ROWS {VERIFY_ROWS}; "
+                               f"speculation drafts up to {MAX_DRAFTS} + 1")
         # the ring depth each verify GEMV was compiled with (plan.verify_stages)
-        self._verify_stages = {name: build.module_int(module, "abi_" + macro[len("NQ_"):])
-                               for name, (_, _, macro) in VERIFY_GEMVS.items()}
+        self._verify_stages = {name: build.module_int(module, "abi_" + gemv.stages_macro[len("NQ_"):])
+                               for name, gemv in VERIFY_GEMVS.items()}
         if build.module_int(module, "abi_X_TOKEN_PIECES") != self.config.group_size // 8 + 1:
             raise RuntimeError("kernels/verify.cu pads x otherwise than plan.verify_ring_bytes")
         self._verify = None  # buffers, allocated at the first pass
@@ -54,8 +55,7 @@ class VerifyPass:
         return None
 
     def _verify_ring(self, kernel: str, tokens: int) -> int:
-        tiles = 2 if kernel == "gemv_int4_gate_up_silu_rows" else 1
-        return verify_ring_bytes(tiles, self._verify_stages[kernel], tokens, self.config.group_size)
+        return verify_ring_bytes(VERIFY_GEMVS[kernel].tiles, self._verify_stages[kernel], tokens, self.config.group_size)
 
     def _allocate_verify_buffers(self) -> None:
         cp, c, rows = self._cp, self.config, self.verify_rows
@@ -77,16 +77,15 @@ class VerifyPass:
         }
         self.attention.reserve_rows(rows)
         for name in VERIFY_GEMVS:  # room for the rings of the most rows
-            self.kernels[name].max_dynamic_shared_size_bytes = self._verify_splits(name) * self._verify_ring(name, rows)
+            warps = verify_splits(name, self.config, self.num_sms)
+            self.kernels[name].max_dynamic_shared_size_bytes = warps * self._verify_ring(name, rows)
         self.kernels["lm_head_logits_rows"].max_dynamic_shared_size_bytes = rows * c.hidden_size * 2
-
-    def _verify_splits(self, kernel: str) -> int:
-        return verify_splits(kernel, self.config, self.num_sms)
 
     def _verify_gemv(self, kernel: str, linear, tokens: int, args) -> None:
         # gate+up's blocks take a tile of gate's rows and the same rows of up
         rows = self.config.intermediate_size if kernel == "gemv_int4_gate_up_silu_rows" else linear.out_features
-        grid, block, shared = gemv_launch(VERIFY_GEMVS[kernel][1], rows, self._verify_splits(kernel),
+        grid, block, shared = gemv_launch(VERIFY_GEMVS[kernel].decode_kernel, rows,
+                                          verify_splits(kernel, self.config, self.num_sms),
                                           self._verify_ring(kernel, tokens))
         self.kernels[kernel](grid, block, (*args, np.int32(tokens)), shared_mem=shared)
 
@@ -173,8 +172,7 @@ class VerifyPass:
         accepted, status = int(verdict[0]), int(verdict[1])
         if not 1 <= accepted <= tokens:
             raise RuntimeError(f"the verify pass left no verdict (accepted = {accepted})")
-        head = np.array([int(verdict[VERDICT_HEAD + accepted - 1]), position + accepted, 0, status], dtype=np.int32)
-        token_of_head(head)  # FloatingPointError on non-finite logits, as decode_next
+        check_finite(status)
         return [int(t) for t in verdict[VERDICT_HEAD : VERDICT_HEAD + accepted]]
 
     def verify_logits(self, token_id: int, drafts: Sequence[int], position: int, page_table) -> np.ndarray:

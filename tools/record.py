@@ -1,0 +1,24 @@
+"""The header every GPU record in results/ carries: when, on which GPU, from which commit, by which command."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from pathlib import Path
+
+
+def record_header(command: str) -> dict:
+    """{"date", "gpu", "commit", "command"} for a record made now on the current GPU. A copy of the
+    tree without .git (a device machine) names its commit in NANOQWEN_COMMIT."""
+    import cupy as cp
+
+    commit = os.environ.get("NANOQWEN_COMMIT") or subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True).stdout.strip() or "unknown"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "commit": commit,
+        "command": command,
+    }
