@@ -20,14 +20,13 @@ and OUT.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from record import record_header
+from record import record_header, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 8, 16]
@@ -164,9 +163,7 @@ def main() -> int:
                            speculative_ms_per_token=1e3 / statistics.median(r.decode_tokens_per_second for r in speculative),
                            tokens_per_pass=statistics.median(r.tokens_per_pass for r in speculative)),
     }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(record))
-    print(markdown(record))
+    write_record(args.out, record, markdown(record))
     return 0
 
 

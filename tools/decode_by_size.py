@@ -15,13 +15,12 @@ pool keeps what prefill took. Writes OUT.json
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from record import record_header
+from record import record_header, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
 SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
@@ -98,9 +97,7 @@ def main() -> int:
         **record_header("python3 tools/decode_by_size.py --out results/decode-by-size-h200"),
         "rows": rows,
     }
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(record))
-    print(markdown(record))
+    write_record(args.out, record, markdown(record))
     return 0
 
 

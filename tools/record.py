@@ -1,8 +1,10 @@
-"""The header every GPU record in results/ carries: when, on which GPU, from which commit, by which command."""
+"""What every GPU record in results/ carries (when, on which GPU, from which commit, by which command), and
+how it is written."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -22,3 +24,10 @@ def record_header(command: str) -> dict:
         "commit": commit,
         "command": command,
     }
+
+
+def write_record(out: Path, record: dict, markdown: str) -> None:
+    """OUT.json (the record) and OUT.md (its table), and the table on stdout."""
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
