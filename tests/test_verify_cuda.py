@@ -65,6 +65,8 @@ def test_verify_accepts_up_to_the_first_wrong_draft_and_the_next_pass_rewrites_i
     prompt = np.random.default_rng(4).integers(0, 512, PROMPT_TOKENS).astype(np.int32)
     with Engine(path, backend="cuda", max_context=64) as engine:
         backend, pages = engine.backend, engine.allocator.allocate(3)
+        # The decode graph captured below keeps the attention's buffers: no verify pass may replace them.
+        partials = backend.attention.partial_acc.data.ptr, backend.attention.partial_max_sum.data.ptr
         plain = greedy_run(backend, prompt, pages, 12)
         backend.prefill(prompt, 0, pages)
         # All drafts right: the pass makes every row's token, across the page boundary at 32.
@@ -75,6 +77,8 @@ def test_verify_accepts_up_to_the_first_wrong_draft_and_the_next_pass_rewrites_i
         # The next pass starts at the first position not accepted and overwrites the stale rows.
         position = PROMPT_TOKENS + 4
         assert backend.verify(plain[4], plain[5:11], position, pages, GREEDY) == plain[5:12]
+        assert (backend.attention.partial_acc.data.ptr, backend.attention.partial_max_sum.data.ptr) == partials
+        assert greedy_run(backend, prompt, pages, 12) == plain  # the decode graph, after the verify passes
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,8 @@ class PagedAttention:
 
     def reserve_rows(self, rows: int) -> None:
         """Make room for `decode` of up to `rows` rows at once (a verify pass): each row keeps its
-        own splits' partials. Call it before a graph capture, which must not allocate."""
+        own splits' partials. It replaces the partial buffers, so call it before any graph that
+        launches `decode` is captured (CudaBackend does, at construction)."""
         if rows > self.rows_reserved:
             import cupy as cp
 

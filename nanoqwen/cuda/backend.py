@@ -156,6 +156,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
             self._allocate_decode_buffers()
             self.int8_layers = [self._int8_projections(i) for i in range(c.num_layers)] if activations == "int8" else None
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
+        self._reserve_verify_rows()
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self._prefill_scratch = None  # prefill's activations, allocated at the first prefill (Prefill)
         self.prefill_weights = self._keep_dense_weights(prefill_weights)

@@ -47,11 +47,21 @@ class VerifyPass:
         self._verify = None  # buffers, allocated at the first pass
         self._verify_graphs = {}  # rows -> graph
 
+    def _reserve_verify_rows(self) -> None:
+        """Let the attention decode the verify pass's rows. Its per-row buffers are allocated here,
+        with the attention, before any graph is captured: a graph holds the addresses it was
+        captured with, so a buffer replaced later would leave the decode graph writing freed memory."""
+        reserve = getattr(self.attention, "reserve_rows", None)
+        if reserve is not None:
+            reserve(self.verify_rows)
+
     @property
     def verify_refusal(self) -> str | None:
         """Why this backend cannot verify (None: it can)."""
         if self.activations != "fp16":
             return "verify passes run decode's fp16 kernels, and this CUDA backend decodes with INT8 activations"
+        if getattr(self.attention, "rows_reserved", 1) < self.verify_rows:
+            return f"this backend's attention ({type(self.attention).__name__}) decodes one row at a time"
         return None
 
     def _verify_ring(self, kernel: str, tokens: int) -> int:
@@ -75,7 +85,6 @@ class VerifyPass:
             "candidate_indices": cp.empty((rows, blocks), dtype=cp.int32),
             "blocks": blocks, "verdict": verdict, "verdict_memory": verdict_memory,
         }
-        self.attention.reserve_rows(rows)
         for name in VERIFY_GEMVS:  # room for the rings of the most rows
             warps = verify_splits(name, self.config, self.num_sms)
             self.kernels[name].max_dynamic_shared_size_bytes = warps * self._verify_ring(name, rows)
