@@ -156,9 +156,6 @@ constexpr int MMA_COLUMNS = 8;
 __host__ __device__ constexpr int gemv_accumulators(int tokens) {
   return tokens == 1 ? 2 : 4 * ((tokens + MMA_COLUMNS - 1) / MMA_COLUMNS);
 }
-// A verify ring's x holds each token's group in X_PIECES_PER_GROUP + 1 pieces: the padding moves
-// token g + 1's pieces one bank group along, so lanes of different g read without conflicts.
-constexpr int X_TOKEN_PIECES = X_PIECES_PER_GROUP + 1;
 
 // A GEMV block's dynamic shared memory: one GemvRing per warp.
 extern __shared__ __align__(16) unsigned char gemv_shared[];
@@ -205,9 +202,12 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // requested whole before the wait and no slot is refilled: nothing of the weights is left to ask
 // for once x has arrived.
 // `ring` is this warp's own.
-// With TOKENS > 1 (a verify pass) x is `tokens` rows of K, `x_ring` holds STAGES slots of
-// tokens x X_TOKEN_PIECES pieces, and acc[tile] holds gemv_accumulators(TOKENS) sums (see
-// MMA_COLUMNS); decode passes TOKENS = 1, its ring's x and tokens = 1.
+// With TOKENS > 1 (a verify pass) x is `tokens` rows of K and acc[tile] holds
+// gemv_accumulators(TOKENS) sums (see MMA_COLUMNS); decode passes TOKENS = 1 and tokens = 1. A
+// verify pass's x does not travel through the ring: at 8 tokens it would be twice the weights'
+// bytes per slot, and the rings that fit an SM would be half as deep, or its blocks would not all
+// fit at once. Each lane loads its columns' x from global memory (L1, which every block of the SM
+// shares, serves most of it); x_ring is then unused.
 template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false, int TOKENS = 1>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
@@ -218,9 +218,9 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
                                               int tokens, float (&acc)[TILES][gemv_accumulators(TOKENS)]) {
   constexpr int GROUPS = K / NQ_GROUP_SIZE;
   constexpr bool ROWS = TOKENS > 1;
+  constexpr int BLOCKS = (TOKENS + MMA_COLUMNS - 1) / MMA_COLUMNS;
   const int lane = threadIdx.x % WARP_SIZE, t = lane % 4, g = lane / 4;
-  // x pieces per slot and per token in the ring: decode's one token takes X_PIECES_PER_GROUP.
-  const int slot_pieces = ROWS ? tokens * X_TOKEN_PIECES : X_PIECES_PER_GROUP;
+  const int blocks = (tokens + MMA_COLUMNS - 1) / MMA_COLUMNS;
   const int count = group_end - group_begin;
   // AHEAD: a range that fits the ring is requested whole before the wait, no slot refilled.
   const bool all_ahead = AHEAD && count <= STAGES;
@@ -244,19 +244,18 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
     }
   }
   const unsigned short* x_source = x + group_begin * NQ_GROUP_SIZE + 8 * lane;  // lanes < 16 copy x
-  // Copy group `i`'s x into slot `slot`: decode's 16 pieces by lanes 0-15, a verify pass's
-  // tokens x 16 pieces by every lane in turn.
+  // Copy group `i`'s x into slot `slot` (decode's: lanes 0-15 copy its 16 pieces).
   auto fetch_x = [&](int i, int slot) {
-    if constexpr (ROWS) {
-      for (int p = lane; p < tokens * X_PIECES_PER_GROUP; p += WARP_SIZE) {
-        const int token = p / X_PIECES_PER_GROUP, piece = p % X_PIECES_PER_GROUP;
-        copy_async_16B(x_ring + slot * slot_pieces + token * X_TOKEN_PIECES + piece,
-                       x + (long long)token * K + (group_begin + i) * NQ_GROUP_SIZE + 8 * piece);
-      }
-    } else if (lane < X_PIECES_PER_GROUP) {
-      copy_async_16B(x_ring + slot * X_PIECES_PER_GROUP + lane, x_source + i * NQ_GROUP_SIZE);
-    }
+    if (!ROWS && lane < X_PIECES_PER_GROUP) copy_async_16B(x_ring + slot * X_PIECES_PER_GROUP + lane, x_source + i * NQ_GROUP_SIZE);
   };
+  // Verifying, column g of block c is token 8 c + g (the last token where there are fewer: those
+  // columns are computed and dropped), and lane (g, t) multiplies its elements 32 t .. 32 t + 31
+  // of each group, four 16-byte pieces from token_x[c] + 16 i in group i of the range.
+  const uint4* token_x[BLOCKS];
+#pragma unroll
+  for (int c = 0; c < BLOCKS; ++c)
+    token_x[c] = reinterpret_cast<const uint4*>(x + (long long)min(c * MMA_COLUMNS + g, tokens - 1) * K +
+                                                group_begin * NQ_GROUP_SIZE + 32 * t);
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
   // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
@@ -306,20 +305,25 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       // Refill the slot that iteration i - 1 finished with, STAGES - 1 groups ahead.
       if (!all_ahead && i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES, true);
       copy_async_commit();
+      // This lane's 32 activations of the group, 8 per word of the weights, for every tile: decode's
+      // from the slot, a verify pass's of one column block from global memory, requested before the
+      // wait for the slot so that the two latencies overlap. With more blocks, and in q|k|v and o
+      // (AHEAD), whose 64-register budget has no room for them, each block's x is loaded where it
+      // is used, so that the blocks' x do not all occupy registers at once.
+      constexpr bool ONE_X = !ROWS || (BLOCKS == 1 && !AHEAD);
+      uint4 group_x[4];
+      if constexpr (ROWS && ONE_X) {
+        if (i < count) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) group_x[j] = token_x[0][i * X_PIECES_PER_GROUP + j];
+        }
+      }
       copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
       __syncwarp();                   // and so have every other lane's (x)
       if (i < count) {  // the same for the whole warp
-        // This lane's 32 activations, 8 per word of the weights. Decode's x is the same in every
-        // column and serves every tile: loaded once. Verifying, column g of block c comes from token
-        // 8 c + g (the last token's x where there are fewer: those columns are computed and dropped),
-        // loaded where it is used, so the tokens' x do not all occupy registers at once.
-        constexpr int BLOCKS = (TOKENS + MMA_COLUMNS - 1) / MMA_COLUMNS;
-        const int blocks = (tokens + MMA_COLUMNS - 1) / MMA_COLUMNS;
-        const uint4* slot_x = x_ring + u * slot_pieces;
-        uint4 decode_x[4];
         if constexpr (!ROWS) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) decode_x[j] = slot_x[4 * t + j];
+          for (int j = 0; j < 4; ++j) group_x[j] = x_ring[u * X_PIECES_PER_GROUP + 4 * t + j];
         }
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
@@ -334,8 +338,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 #pragma unroll
             for (int c = 0; c < BLOCKS; ++c) {
               if (c >= blocks) break;  // the same for the whole warp
-              const uint4 xv = ROWS ? slot_x[min(c * MMA_COLUMNS + g, tokens - 1) * X_TOKEN_PIECES + 4 * t + j]
-                                    : decode_x[j];
+              const uint4 xv = ONE_X ? group_x[j] : token_x[c][i * X_PIECES_PER_GROUP + j];
               mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
               mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
             }

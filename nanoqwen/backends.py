@@ -50,7 +50,10 @@ class Backend(Protocol):
     def next_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int,
                     sampling: SamplingParams = GREEDY) -> Iterator[int]:
         """The next `steps` tokens after `token_id` at `position`, each chosen by `sampling` and fed
-        back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens)."""
+        back in turn. A backend may compute one step ahead of its consumer (CudaBackend.next_tokens).
+        A consumer that wants no more steps started sends True instead of asking for the next
+        token: the generator then yields the token of a step already running ahead, if there is
+        one, and stops (StopIteration at once when there is none)."""
 
     def verify(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray,
                sampling: SamplingParams = GREEDY) -> list[int]:

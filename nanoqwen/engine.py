@@ -49,7 +49,7 @@ from .errors import (
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
 from .sampling import SamplingParams, sample
-from .speculative import MAX_DRAFTS, PromptLookup
+from .speculative import MAX_DRAFTS, DraftSchedule, PromptLookup
 from .tokenizer import StreamDecoder, Tokenizer, check_unicode
 
 __all__ = [
@@ -366,7 +366,8 @@ class Engine:
 
         Without speculation each pass is one of `next_tokens`' steps. With it, each pass first
         drafts from prompt + tokens so far: a draft is verified in one pass, and without one
-        the pass is a plain step. The drafts are capped so that a pass never chooses a token
+        plain steps run as without speculation, queued behind each other, until the text drafts
+        again. Drafting pauses after passes that keep failing (DraftSchedule). The drafts are capped so that a pass never chooses a token
         past max_new_tokens, so no pass writes K/V past the last position plain decoding writes
         (prompt + max_new_tokens - 2) and the request's pages cover every row. The consumer
         closes this generator at a stop token, so drafts come from tokens of the output only.
@@ -385,18 +386,40 @@ class Engine:
                 upcoming.close()
             return
         lookup = PromptLookup([*request.prompt_ids.tolist(), *request.chosen])
+        schedule = DraftSchedule(request.speculate)
         while remaining > 0:
-            drafts = lookup.draft(min(request.speculate, remaining - 1))
+            drafts = lookup.draft(min(schedule.allowed(), remaining - 1))
             if drafts:
                 tokens = backend.verify(token, drafts, position, page_table, sampling)
-            else:
-                tokens = [backend.decode_next(token, position, page_table, sampling)]
-            request.decode_passes += 1
-            request.drafted_tokens += len(drafts)
-            request.accepted_drafts += len(tokens) - 1
-            yield tokens
-            lookup.extend(tokens)
-            token, position, remaining = tokens[-1], position + len(tokens), remaining - len(tokens)
+                schedule.verified(len(drafts), len(tokens) - 1)
+                request.decode_passes += 1
+                request.drafted_tokens += len(drafts)
+                request.accepted_drafts += len(tokens) - 1
+                yield tokens
+                lookup.extend(tokens)
+                token, position, remaining = tokens[-1], position + len(tokens), remaining - len(tokens)
+                continue
+            # Nothing to draft: plain steps, each queued behind the one being read (next_tokens),
+            # until the text so far drafts again. The step already queued then is still read (its
+            # token is the next one either way), and the pass after it verifies.
+            upcoming = backend.next_tokens(token, position, page_table, remaining, sampling)
+            try:
+                drafts_ahead = False
+                while True:
+                    try:
+                        token = upcoming.send(True) if drafts_ahead else next(upcoming)
+                    except StopIteration:
+                        break
+                    request.decode_passes += 1
+                    schedule.stepped()
+                    yield [token]
+                    lookup.extend([token])
+                    position, remaining = position + 1, remaining - 1
+                    if drafts_ahead:
+                        break
+                    drafts_ahead = bool(lookup.draft(min(schedule.allowed(), remaining - 1)))
+            finally:
+                upcoming.close()
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids=None,

@@ -22,7 +22,7 @@ import numpy as np
 
 from .sampling import SamplingParams, sample
 
-__all__ = ["MAX_DRAFTS", "MAX_NGRAM", "MIN_NGRAM", "PromptLookup", "accepted_tokens"]
+__all__ = ["MAX_DRAFTS", "MAX_NGRAM", "MIN_NGRAM", "DraftSchedule", "PromptLookup", "accepted_tokens"]
 
 # The most drafts one pass verifies: a backend may size its verify buffers (MAX_DRAFTS + 1 rows)
 # when it starts. Longer runs are rarely all right, and a rejected draft still costs its row.
@@ -78,6 +78,43 @@ class PromptLookup:
                     drafts.append(drafts[len(drafts) - (len(tokens) - start)])
                 return drafts
         return []
+
+
+# Auto mode: after this many verify passes in a row that accept none of their drafts, drafting
+# pauses for a stretch of plain steps, FIRST_PAUSE tokens long and twice as long at each pause
+# after it (at most LONGEST_PAUSE), until a pass accepts a draft again. On text with nothing to
+# copy, a failed pass costs more than the step it replaces; the pauses bound what such passes cost.
+# Edits fail a few passes in a row too (mostly single-token drafts): on nano-coder's edit prompts
+# 3 failures in a row already pause them and cost up to a third of their tokens per pass, 8 none.
+FAILURES_BEFORE_PAUSE = 8
+FIRST_PAUSE, LONGEST_PAUSE = 16, 1024
+
+
+class DraftSchedule:
+    """How many drafts the next pass may verify (`allowed`): `speculate`, or 0 while drafting is
+    paused after passes that kept failing. The engine reports each verify pass (`verified`) and
+    each plain step (`stepped`)."""
+
+    def __init__(self, speculate: int):
+        self.speculate = speculate
+        self._failures = 0  # verify passes in a row that accepted no draft
+        self._pause = 0  # plain steps left before drafting again
+        self._next_pause = FIRST_PAUSE
+
+    def allowed(self) -> int:
+        return 0 if self._pause else self.speculate
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if accepted:
+            self._failures, self._next_pause = 0, FIRST_PAUSE
+            return
+        self._failures += 1
+        if self._failures >= FAILURES_BEFORE_PAUSE:
+            self._failures, self._pause = 0, self._next_pause
+            self._next_pause = min(2 * self._next_pause, LONGEST_PAUSE)
+
+    def stepped(self) -> None:
+        self._pause = max(0, self._pause - 1)
 
 
 def accepted_tokens(logits: np.ndarray, drafts: Sequence[int], sampling: SamplingParams, position: int) -> list[int]:

@@ -22,7 +22,9 @@ from nanoqwen.errors import GenerationError
 from nanoqwen.kvcache import PAGE_SIZE, pages_needed
 from nanoqwen.reference.backend import NumpyBackend
 from nanoqwen.sampling import GREEDY, SamplingParams, sample
-from nanoqwen.speculative import MAX_DRAFTS, PromptLookup, accepted_tokens
+from nanoqwen.speculative import (
+    FAILURES_BEFORE_PAUSE, FIRST_PAUSE, LONGEST_PAUSE, MAX_DRAFTS, DraftSchedule, PromptLookup, accepted_tokens,
+)
 from nanoqwen.testing import CODE_EDIT_PROMPTS, make_nanoqwen
 
 # pytest puts tests/ on sys.path: the fp16-rounding tolerance and the random models are reused.
@@ -101,6 +103,32 @@ def test_accepted_tokens_stop_at_the_first_disagreement():
     logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32)
     chosen = [sample(row, sampled, 17 + j) for j, row in enumerate(logits)]  # row j at position 17 + j
     assert accepted_tokens(logits, chosen[:3], sampled, 17) == chosen
+
+
+def test_drafting_pauses_after_passes_that_keep_failing():
+    schedule = DraftSchedule(8)
+    assert schedule.allowed() == 8
+    pauses = []
+    for _ in range(8):
+        for _ in range(FAILURES_BEFORE_PAUSE - 1):
+            schedule.verified(8, 0)
+            assert schedule.allowed() == 8
+        schedule.verified(8, 0)
+        steps = 0
+        while not schedule.allowed():
+            schedule.stepped()
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [min(FIRST_PAUSE << i, LONGEST_PAUSE) for i in range(8)]
+    schedule.verified(8, 0)
+    schedule.verified(8, 3)  # a pass that accepts a draft resets both the count and the pause
+    for _ in range(FAILURES_BEFORE_PAUSE):
+        schedule.verified(8, 0)
+    steps = 0
+    while not schedule.allowed():
+        schedule.stepped()
+        steps += 1
+    assert steps == FIRST_PAUSE
 
 
 # ---- the numpy verify pass ----
@@ -225,6 +253,44 @@ def test_greedy_speculation_makes_the_plain_tokens(coder, monkeypatch, prompt):
         # A run of accepted drafts crosses from one 16-token page into the next.
         assert any(position // PAGE_SIZE != (position + len(accepted) - 1) // PAGE_SIZE
                    for position, _, accepted in passes if len(accepted) > 2)
+
+
+def running_ahead(monkeypatch, backend) -> list[int]:
+    """Make `backend.next_tokens` compute each step before its consumer asks, as CudaBackend's
+    queue does (the step after the one it yields is already done), honouring a True sent in
+    (Backend.next_tokens); returns the list of positions of the steps it runs."""
+    steps_run, decode_next = [], backend.decode_next
+
+    def step(token, position, page_table, sampling):
+        steps_run.append(position)
+        return decode_next(token, position, page_table, sampling)
+
+    def next_tokens(token_id, position, page_table, steps, sampling=GREEDY):
+        ahead = step(token_id, position, page_table, sampling) if steps > 0 else None
+        for k in range(steps):
+            token = ahead
+            ahead = step(token, position + k + 1, page_table, sampling) if k + 1 < steps else None
+            if (yield token):
+                if ahead is not None:
+                    yield ahead
+                return
+
+    monkeypatch.setattr(backend, "next_tokens", next_tokens)
+    return steps_run
+
+
+@pytest.mark.parametrize("prompt", [EDIT_PROMPT, NOTHING_TO_COPY], ids=["edit", "no-copy"])
+def test_plain_steps_between_passes_run_ahead_and_waste_nothing(coder, monkeypatch, prompt):
+    """Without a draft the engine takes plain steps from next_tokens, which may run a step ahead;
+    once the text drafts again, the step already running is read, never thrown away."""
+    plain = coder.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[]).token_ids
+    passes = recorded_passes(monkeypatch, coder)
+    steps_run = running_ahead(monkeypatch, coder.backend)
+    result = coder.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=4)
+    assert_same_tokens(coder, coder.encode_prompt(prompt), plain, result.token_ids)
+    assert len(steps_run) == result.decode_passes - len(passes) > 0  # every step's token was used
+    if prompt == EDIT_PROMPT:
+        assert passes and result.tokens_per_pass > 2
 
 
 @pytest.mark.parametrize("name", RANDOM_MODELS)

@@ -17,6 +17,7 @@ from nanoqwen import Engine
 from nanoqwen.backends import cuda_available
 from nanoqwen.cli import DEFAULT_MODEL
 from nanoqwen.sampling import GREEDY, SamplingParams
+from nanoqwen.cuda.plan import NARROW_ROWS
 from nanoqwen.speculative import MAX_DRAFTS
 from nanoqwen.testing import CODE_EDIT_PROMPTS, FAMILY_SHAPES, make_nanoqwen
 
@@ -33,23 +34,28 @@ SHAPES = {**FAMILY_SHAPES,
 PROMPT_TOKENS = 21  # a full page and 5 rows of the next: the pass's rows cross into a third page
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, MAX_DRAFTS + 1])
+# 1 to 8 rows run the narrow kernels, 9 and more the wide ones (kernels/verify.cu).
+ROWS = [1, 2, 5, NARROW_ROWS, NARROW_ROWS + 1, MAX_DRAFTS + 1]
+
+
 @pytest.mark.parametrize("name", SHAPES)
-def test_verify_rows_are_decode_steps_bit_for_bit(name, rows, tmp_path):
-    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name) + rows, **SHAPES[name])
-    rng = np.random.default_rng(rows)
+def test_verify_rows_are_decode_steps_bit_for_bit(name, tmp_path):
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **SHAPES[name])
     with Engine(path, backend="cuda", max_context=64) as engine:
         backend, vocab = engine.backend, engine.config.vocab_size
-        prompt = rng.integers(0, vocab, PROMPT_TOKENS).astype(np.int32)
-        row_tokens = rng.integers(0, vocab, rows).tolist()
         pages = engine.allocator.allocate(3)
-        backend.prefill(prompt, 0, pages)
-        verified = backend.verify_logits(row_tokens[0], row_tokens[1:], PROMPT_TOKENS, pages)
-        # The decode steps write the same K/V rows again; equal bits leave the cache as it was.
-        decoded = np.stack([backend.decode(token, PROMPT_TOKENS + j, pages) for j, token in enumerate(row_tokens)])
-    assert np.all(np.isfinite(verified))
-    mismatched = np.flatnonzero(np.any(verified != decoded, axis=1))
-    assert mismatched.size == 0, f"rows {mismatched.tolist()} differ; largest difference {np.abs(verified - decoded).max()}"
+        for rows in ROWS:
+            rng = np.random.default_rng(rows)
+            prompt = rng.integers(0, vocab, PROMPT_TOKENS).astype(np.int32)
+            row_tokens = rng.integers(0, vocab, rows).tolist()
+            backend.prefill(prompt, 0, pages)
+            verified = backend.verify_logits(row_tokens[0], row_tokens[1:], PROMPT_TOKENS, pages)
+            # The decode steps write the same K/V rows again; equal bits leave the cache as it was.
+            decoded = np.stack([backend.decode(token, PROMPT_TOKENS + j, pages) for j, token in enumerate(row_tokens)])
+            assert np.all(np.isfinite(verified))
+            mismatched = np.flatnonzero(np.any(verified != decoded, axis=1))
+            assert mismatched.size == 0, (f"{rows} rows: rows {mismatched.tolist()} differ; largest difference "
+                                          f"{np.abs(verified - decoded).max()}")
 
 
 def greedy_run(backend, prompt, pages, steps: int) -> list[int]:
@@ -103,6 +109,23 @@ def test_speculation_makes_plain_decodings_tokens_on_cuda(coder, sampling):
         assert result.decode_tokens == NEW_TOKENS - 1
     if sampling == "greedy":
         assert result.tokens_per_pass > 2, "the edit should copy its prompt"
+
+
+def test_a_pipelined_run_stops_after_the_step_it_queued(tmp_path):
+    """next_tokens keeps one step queued; a True sent in yields that step's token and starts none."""
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=2, **SHAPES["1:1 (no grouping)"])
+    prompt = np.random.default_rng(5).integers(0, 512, PROMPT_TOKENS).astype(np.int32)
+    with Engine(path, backend="cuda", max_context=64) as engine:
+        backend, pages = engine.backend, engine.allocator.allocate(3)
+        plain = greedy_run(backend, prompt, pages, 8)
+        backend.prefill(prompt, 0, pages)
+        upcoming = backend.next_tokens(plain[0], PROMPT_TOKENS, pages, 7)
+        assert [next(upcoming) for _ in range(3)] == plain[1:4]
+        assert upcoming.send(True) == plain[4]  # the step queued behind the third
+        with pytest.raises(StopIteration):
+            next(upcoming)
+        # The device is where the host thinks: a verify pass from there makes plain's tokens.
+        assert backend.verify(plain[4], plain[5:7], PROMPT_TOKENS + 4, pages, GREEDY) == plain[5:8]
 
 
 def test_random_weights_reject_drafts_and_still_match(tmp_path):

@@ -44,9 +44,7 @@ from .attention import check_config
 from .device import fit_gemv_rings, set_carveout
 from .launch import StepKernel
 from .pipeline import TokenPipeline
-from .plan import (
-    GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, VERIFY_GEMVS, block_threads, verify_stages,
-)
+from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
 from .verify import VerifyPass
@@ -119,10 +117,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.num_sms = device.attributes["MultiProcessorCount"]
         self.stream = cp.cuda.Stream(non_blocking=True)
 
-        decode_stages = build.macro_defaults("gemv_int4.cu")
-        verify_depths = verify_stages(c, self.num_sms, device.attributes["MaxSharedMemoryPerBlockOptin"],
-                                      {name: int(decode_stages[macro]) for name, macro in GEMV_STAGES_MACROS.items()})
-        module = build.compile_module(c, extra_defines={name: str(depth) for name, depth in verify_depths.items()})
+        module = build.compile_module(c)
         abi.check_compiled(module, build.DECODER_KERNEL_FILES)
         self.kernels = {
             name: StepKernel(module.get_function(name), name)
@@ -131,14 +126,15 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
                 "gemv_int4_from_q_dim",
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
-                *VERIFY_GEMVS, "lm_head_logits_rows", "verify_select",
+                *(f"{name}_{width}" for name in (*VERIFY_GEMVS, "lm_head_logits_rows") for width in VERIFY_WIDTHS),
+                "verify_select",
             )
         }
-        self._init_verify(module)
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
         for name, percent in GEMV_CARVEOUT_PERCENT.items():
             set_carveout(self.kernels[name], percent)
             self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
+        self._init_verify(module)
         self.gate_up_splits = GATE_UP_SPLITS
         self.threads = block_threads(c)
         for name, threads in self.threads.items():

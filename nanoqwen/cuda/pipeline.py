@@ -144,14 +144,18 @@ class TokenPipeline:
         from them and runs the next step again from its token. After such a step the generator
         waits for each step until the device draws one again, so a flat stretch of steps wastes
         no more than its first.
+
+        A True sent in instead of next() (Backend.next_tokens) stops the run: the step already
+        queued behind the one just read, if any, is still read and yielded, and no other starts.
         """
         if steps <= 0:
             return
         if device_top_k(sampling, self.config.vocab_size) is None or not self.use_graph:
-            # the host chooses, or eager launches: one step at a time
+            # the host chooses, or eager launches: one step at a time, none ahead
             for k in range(steps):
                 token_id = self.decode_next(token_id, position + k, page_table, sampling)
-                yield token_id
+                if (yield token_id):
+                    return
             return
         cp = self._cp
         self._check_positions(position, steps, page_table)  # the whole run, once
@@ -168,7 +172,8 @@ class TokenPipeline:
             return p + 1
 
         try:
-            for p in range(position, end):
+            p = position
+            while p < end:
                 if run_ahead and launched == p and p + 1 < end:
                     launched = launch_next(p)
                 done[p % HEAD_SLOTS].synchronize()
@@ -187,7 +192,9 @@ class TokenPipeline:
                     if launched == p and p + 1 < end:
                         launched = launch_next(p)
                     run_ahead = True
-                yield token
+                if (yield token):  # no more steps: only the one already launched, if any
+                    end = launched + 1
+                p += 1
         finally:
             self._device_holds = None  # a step may have run ahead: the next request uploads
 

@@ -108,29 +108,27 @@ def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:
 
 class VerifyGemv(NamedTuple):
     """A verify-pass GEMV (kernels/verify.cu): decode's GEMV of `projection` (`decode_kernel`, whose
-    warps per block and launch geometry it takes) for several tokens, `tiles` weight tiles per warp,
-    its ring depth set by the macro `stages_macro`."""
+    warps per block, launch geometry, ring depth and carve-out it takes) for several tokens."""
     projection: str
     decode_kernel: str
-    tiles: int
-    stages_macro: str
 
 
-# A verify pass runs decode's GEMVs for up to VERIFY_ROWS tokens.
+# A verify pass runs decode's GEMVs for up to VERIFY_ROWS tokens, each GEMV in two widths: a
+# narrow kernel for up to NARROW_ROWS tokens and a wide one for more (kernels/verify.cu).
 VERIFY_ROWS = 17  # kernels/verify.cu's VERIFY_ROWS: nanoqwen.speculative.MAX_DRAFTS + 1
+NARROW_ROWS = 8  # kernels/verify.cu's NARROW_ROWS: the MMA's columns
+VERIFY_WIDTHS = ("narrow", "wide")
 VERIFY_GEMVS = {
-    "gemv_int4_qkv_rope_rows": VerifyGemv("qkv", QKV_ROPE_KERNEL, 1, "NQ_VERIFY_QKV_STAGES"),
-    "gemv_int4_rows_from_q_dim": VerifyGemv("o", "gemv_int4_from_q_dim", 1, "NQ_VERIFY_O_STAGES"),
-    "gemv_int4_gate_up_silu_rows": VerifyGemv("gate_up", "gemv_int4_gate_up_silu", 2, "NQ_VERIFY_GATE_UP_STAGES"),
-    "gemv_int4_rows_from_intermediate": VerifyGemv("down", "gemv_int4_from_intermediate", 1, "NQ_VERIFY_DOWN_STAGES"),
+    "gemv_int4_qkv_rope_rows": VerifyGemv("qkv", QKV_ROPE_KERNEL),
+    "gemv_int4_rows_from_q_dim": VerifyGemv("o", "gemv_int4_from_q_dim"),
+    "gemv_int4_gate_up_silu_rows": VerifyGemv("gate_up", "gemv_int4_gate_up_silu"),
+    "gemv_int4_rows_from_intermediate": VerifyGemv("down", "gemv_int4_from_intermediate"),
 }
-VERIFY_STATIC_SHARED_BYTES = 24 * 1024  # a verify GEMV's split sums and staged scales, at most
 
 
-def verify_ring_bytes(tiles: int, stages: int, tokens: int, group_size: int) -> int:
-    """One warp's ring of a verify GEMV (kernels/verify.cu, verify_ring_bytes): per slot, the
-    tiles' weights (16 rows x group_size / 2 bytes each) and every token's x, padded by a piece."""
-    return stages * (tiles * TILE_ROWS * group_size // 2 + tokens * (group_size // 8 + 1) * 16)
+def verify_kernel(name: str, tokens: int) -> str:
+    """The kernel of verify GEMV `name` (a VERIFY_GEMVS key) for a pass of `tokens` rows."""
+    return f"{name}_{'narrow' if tokens <= NARROW_ROWS else 'wide'}"
 
 
 def verify_splits(kernel: str, config, num_sms: int) -> int:
@@ -141,15 +139,3 @@ def verify_splits(kernel: str, config, num_sms: int) -> int:
         return GATE_UP_SPLITS
     out_features, in_features = config.projection_shapes[projection]
     return projection_splits(projection, out_features, in_features, num_sms, config.group_size)
-
-
-def verify_stages(config, num_sms: int, shared_bytes: int, decode_stages: dict[str, int]) -> dict[str, int]:
-    """Ring depth of each verify GEMV, as its stage macro: decode's depth (`decode_stages`, decode
-    kernel -> depth), or less, down to 2, where a block's rings for VERIFY_ROWS tokens would not fit
-    the `shared_bytes` a block may take."""
-    depths = {}
-    for kernel, gemv in VERIFY_GEMVS.items():
-        per_stage = verify_splits(kernel, config, num_sms) * verify_ring_bytes(gemv.tiles, 1, VERIFY_ROWS, config.group_size)
-        fit = (shared_bytes - VERIFY_STATIC_SHARED_BYTES) // per_stage
-        depths[gemv.stages_macro] = max(2, min(decode_stages[gemv.decode_kernel], fit))
-    return depths

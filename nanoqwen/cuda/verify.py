@@ -22,13 +22,17 @@ from ..sampling import GREEDY, SamplingParams
 from ..speculative import MAX_DRAFTS, accepted_tokens
 from . import build
 from .abi import ARGMAX_THREADS, LM_HEAD_THREADS
-from .device import NULL, mapped_host_array
+from .device import NULL, mapped_host_array, persistent_blocks, set_carveout
 from .graph import capture
 from .launch import programmatic_launches
-from .plan import VERIFY_GEMVS, VERIFY_ROWS, gemv_launch, verify_ring_bytes, verify_splits
+from .plan import (
+    GEMV_CARVEOUT_PERCENT, NARROW_ROWS, VERIFY_GEMVS, VERIFY_ROWS, VERIFY_WIDTHS, gemv_launch, verify_kernel,
+    verify_splits,
+)
 from .sampler import check_finite, device_top_k
 
 VERDICT_HEAD = 2  # verify_select's verdict: accepted count, status, then the accepted tokens
+RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps per block beside the kernel's
 
 
 class VerifyPass:
@@ -39,11 +43,19 @@ class VerifyPass:
         if self.verify_rows != VERIFY_ROWS or self.verify_rows < MAX_DRAFTS + 1:
             raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows, plan.VERIFY_ROWS {VERIFY_ROWS}; "
                                f"speculation drafts up to {MAX_DRAFTS} + 1")
-        # the ring depth each verify GEMV was compiled with (plan.verify_stages)
-        self._verify_stages = {name: build.module_int(module, "abi_" + gemv.stages_macro[len("NQ_"):])
-                               for name, gemv in VERIFY_GEMVS.items()}
-        if build.module_int(module, "abi_X_TOKEN_PIECES") != self.config.group_size // 8 + 1:
-            raise RuntimeError("kernels/verify.cu pads x otherwise than plan.verify_ring_bytes")
+        if build.module_int(module, "abi_NARROW_ROWS") != NARROW_ROWS:
+            raise RuntimeError("kernels/verify.cu's narrow GEMVs take otherwise many rows than plan.NARROW_ROWS")
+        # Each verify GEMV takes its decode twin's carve-out (its ring depth too, kernels/verify.cu).
+        self._verify_ring_bytes = {}  # kernel -> one warp's ring
+        for name, gemv in VERIFY_GEMVS.items():
+            for width in VERIFY_WIDTHS:
+                kernel = f"{name}_{width}"
+                set_carveout(self.kernels[kernel], GEMV_CARVEOUT_PERCENT[gemv.decode_kernel])
+                self._verify_ring_bytes[kernel] = build.module_int(module, f"{kernel}_ring_bytes")
+                self.kernels[kernel].max_dynamic_shared_size_bytes = (verify_splits(name, self.config, self.num_sms)
+                                                                      * self._verify_ring_bytes[kernel])
+        self._lm_x_stride = build.module_int(module, "abi_LM_X_STRIDE")  # 16-byte pieces per row of x
+        self._lm_rows_threads = {"narrow": LM_HEAD_THREADS, "wide": build.module_int(module, "abi_LM_WIDE_THREADS")}
         self._verify = None  # buffers, allocated at the first pass
         self._verify_graphs = {}  # rows -> graph
 
@@ -64,12 +76,22 @@ class VerifyPass:
             return f"this backend's attention ({type(self.attention).__name__}) decodes one row at a time"
         return None
 
-    def _verify_ring(self, kernel: str, tokens: int) -> int:
-        return verify_ring_bytes(VERIFY_GEMVS[kernel].tiles, self._verify_stages[kernel], tokens, self.config.group_size)
-
     def _allocate_verify_buffers(self) -> None:
         cp, c, rows = self._cp, self.config, self.verify_rows
-        blocks = self.num_sms  # lm_head_logits_rows: one block per SM holds the rows' x
+        # lm_head_logits_rows_{narrow,wide}: threads, dynamic shared memory (their rows' x), blocks.
+        # The carve-out leaves the rest of each SM's L1 to the weight loads in flight, which land in
+        # L1 on their way to registers: at full shared memory (28 KB of L1) the stream slows by 40%.
+        lm_heads = {}
+        per_sm = self._cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+        for width, most_rows in (("narrow", NARROW_ROWS), ("wide", rows)):
+            kernel, threads = self.kernels[f"lm_head_logits_rows_{width}"], self._lm_rows_threads[width]
+            shared = most_rows * self._lm_x_stride * 16
+            kernel.max_dynamic_shared_size_bytes = shared
+            blocks = persistent_blocks(kernel, threads, self.num_sms, shared)
+            resident = blocks // self.num_sms * (shared + RESERVED_SHARED_BYTES)
+            set_carveout(kernel, min(100, -(-100 * resident // per_sm)))
+            lm_heads[width] = (threads, blocks)
+        blocks = max(b for _, b in lm_heads.values())
         verdict, verdict_memory = mapped_host_array((VERDICT_HEAD + rows,), np.int32)
         self._verify = {
             "tokens": cp.zeros(rows, dtype=cp.int32),
@@ -83,25 +105,22 @@ class VerifyPass:
             "logits": cp.empty((rows, c.vocab_size), dtype=cp.float32),
             "candidate_values": cp.empty((rows, blocks), dtype=cp.float32),
             "candidate_indices": cp.empty((rows, blocks), dtype=cp.int32),
-            "blocks": blocks, "verdict": verdict, "verdict_memory": verdict_memory,
+            "lm_heads": lm_heads, "verdict": verdict, "verdict_memory": verdict_memory,
         }
-        for name in VERIFY_GEMVS:  # room for the rings of the most rows
-            warps = verify_splits(name, self.config, self.num_sms)
-            self.kernels[name].max_dynamic_shared_size_bytes = warps * self._verify_ring(name, rows)
-        self.kernels["lm_head_logits_rows"].max_dynamic_shared_size_bytes = rows * c.hidden_size * 2
 
-    def _verify_gemv(self, kernel: str, linear, tokens: int, args) -> None:
+    def _verify_gemv(self, name: str, linear, tokens: int, args) -> None:
         # gate+up's blocks take a tile of gate's rows and the same rows of up
-        rows = self.config.intermediate_size if kernel == "gemv_int4_gate_up_silu_rows" else linear.out_features
-        grid, block, shared = gemv_launch(VERIFY_GEMVS[kernel].decode_kernel, rows,
-                                          verify_splits(kernel, self.config, self.num_sms),
-                                          self._verify_ring(kernel, tokens))
+        rows = self.config.intermediate_size if name == "gemv_int4_gate_up_silu_rows" else linear.out_features
+        kernel = verify_kernel(name, tokens)
+        grid, block, shared = gemv_launch(VERIFY_GEMVS[name].decode_kernel, rows,
+                                          verify_splits(name, self.config, self.num_sms),
+                                          self._verify_ring_bytes[kernel])
         self.kernels[kernel](grid, block, (*args, np.int32(tokens)), shared_mem=shared)
 
     def verify_launches(self, tokens: int, stream) -> None:
         """Issue one verify pass of `tokens` rows (the inputs in `_verify["tokens"]` and `state`):
         like decode_step_launches, no allocation and fixed arguments, the sequence a graph captures."""
-        k, v, c = self.kernels, self._verify, self.config
+        k, v = self.kernels, self._verify
         residual, normed, q, attn = v["residual"][:tokens], v["normed"][:tokens], v["q"][:tokens], v["attn"][:tokens]
         o, hidden, down_out = v["o"][:tokens], v["hidden"][:tokens], v["down"][:tokens]
         with stream:
@@ -127,15 +146,17 @@ class VerifyPass:
                                    np.int32(layer.down.out_features)))
                 down = down_out
             self._add_rmsnorm(residual, down, self.final_norm, normed, tokens, cluster=True)
-            k["lm_head_logits_rows"](
-                (v["blocks"],), (LM_HEAD_THREADS,),
+            width = "narrow" if tokens <= NARROW_ROWS else "wide"
+            threads, blocks = v["lm_heads"][width]
+            k[f"lm_head_logits_rows_{width}"](
+                (blocks,), (threads,),
                 (normed, self.lm_head, v["logits"], v["candidate_values"], v["candidate_indices"], self.state,
                  self.sampler, np.int32(tokens)),
-                shared_mem=tokens * c.hidden_size * 2,
+                shared_mem=tokens * self._lm_x_stride * 16,
             )
             k["verify_select"](
                 (1,), (ARGMAX_THREADS,),
-                (v["candidate_values"], v["candidate_indices"], np.int32(v["blocks"]), np.int32(tokens), v["tokens"],
+                (v["candidate_values"], v["candidate_indices"], np.int32(blocks), np.int32(tokens), v["tokens"],
                  self.state, np.uint64(v["verdict"].ctypes.data)),
             )
 

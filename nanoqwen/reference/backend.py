@@ -129,10 +129,12 @@ class NumpyBackend:
 
     def next_tokens(self, token_id: int, position: int, page_table: np.ndarray, steps: int,
                     sampling: SamplingParams = GREEDY):
-        """The next `steps` tokens, one `decode_next` call each."""
+        """The next `steps` tokens, one `decode_next` call each; nothing runs ahead, so a True sent
+        in (Backend.next_tokens) stops it at once."""
         for k in range(steps):
             token_id = self.decode_next(token_id, position + k, page_table, sampling)
-            yield token_id
+            if (yield token_id):
+                return
 
     def verify_logits(self, token_id: int, drafts: Sequence[int], position: int, page_table: np.ndarray) -> np.ndarray:
         """Rows [token_id, *drafts] at position.. in one pass (K/V written there, each row attending
