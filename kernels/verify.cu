@@ -8,7 +8,7 @@
 // two FLOPs per weight, so the same stream can multiply several rows for nearly the same time:
 // the kernels here are decode's (gemv_int4.cu, lm_head.cu, sampler.cu), each with a token
 // dimension. Every row is computed with decode's arithmetic in decode's order (the same split-K
-// ranges and split order, the same MMA fragments and MMA sequence per column, in the GEMVs and the
+// ranges and split order, the same MMA inputs per column, the same per-lane FMA chains in the
 // lm_head), so a row's logits, and so its token, are the bits a decode step at that position
 // gives: greedy and sampled speculation make plain decoding's tokens exactly.
 //
@@ -222,115 +222,95 @@ __device__ __forceinline__ void gate_up_silu_rows(const unsigned int* __restrict
 NQ_GATE_UP_SILU_ROWS_KERNEL(gemv_int4_gate_up_silu_rows_narrow, NARROW_ROWS, 112)
 NQ_GATE_UP_SILU_ROWS_KERNEL(gemv_int4_gate_up_silu_rows_wide, VERIFY_ROWS, 112)
 
-// lm_head_logits for `tokens` rows of x: token j in column j % 8 of MMA block j / 8 of lm_tile_dot,
-// so each logit is decode's bits. The key of row r for token j is its logit (greedy) or logit +
-// T * gumbel(seed, position + j, r), as decode's would be at that position. x is staged whole, each
-// token's row of pieces LM_X_STRIDE apart: the padding puts the two tokens a quarter-warp reads
-// (g and g + 1) four pieces apart in the banks. A narrow kernel (up to NARROW_ROWS tokens, as many
-// blocks per SM as decode's) and a wide one (up to VERIFY_ROWS, whose x fills most of an SM's
-// shared memory: one block of 12 warps per SM, whose 3 blocks of 8 columns take the registers of 16).
-// grid (persistent), block (THREADS); x fp16 [tokens, H]; logits fp32 [tokens, V];
+// lm_head_logits for `tokens` rows of x: every weight row is loaded once and multiplied with each
+// token's x by the lane FMA chain and butterfly of scan_rows, so each logit is decode's bits. The
+// key of row j is its logit (greedy) or logit + T * gumbel(seed, position + j, id), as decode's
+// would be at that position.
+// grid (persistent), block (LM_THREADS); x fp16 [tokens, H]; logits fp32 [tokens, V];
 // candidate_values, candidate_indices [tokens, gridDim.x]; state and sampler as lm_head_logits'
 // (a sampler with top-k never reaches here: the host chooses, CudaBackend.verify);
-// dynamic shared memory tokens x LM_X_STRIDE x 16 bytes
-constexpr int LM_X_STRIDE = LM_PIECES + 4;
-NQ_EXPORT_INT(LM_X_STRIDE)
-static_assert(LM_PIECES % 8 == 0, "the x padding assumes whole 128-byte lines per token");
-
-// The best (value, index) among the 8 lanes of the same t (lanes t, t + 4, ..., t + 28).
-__device__ __forceinline__ void argmax_over_groups(float& value, int& index) {
-#pragma unroll
-  for (int offset = WARP_SIZE / 2; offset >= 4; offset >>= 1) {
-    const float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
-    const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
-    if (better_candidate(other_value, other_index, value, index)) {
-      value = other_value;
-      index = other_index;
-    }
-  }
-}
-
-template <int TOKENS, int THREADS>
-__device__ __forceinline__ void lm_head_rows(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
-                                             float* __restrict__ candidate_values, int* __restrict__ candidate_indices,
-                                             const int* state, const SamplerSettings* sampler, int tokens) {
-  constexpr int BLOCKS = (TOKENS + MMA_COLUMNS - 1) / MMA_COLUMNS, WARPS = THREADS / WARP_SIZE;
-  uint4* x_shared = reinterpret_cast<uint4*>(gemv_shared);  // [tokens][LM_X_STRIDE]
-  __shared__ float warp_values[TOKENS][WARPS];
-  __shared__ int warp_indices[TOKENS][WARPS];
-  __shared__ unsigned int warp_non_finite[WARPS];  // bit j: token j saw a NaN or +inf logit
-  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, t = lane % 4;
-  const int blocks = (tokens + MMA_COLUMNS - 1) / MMA_COLUMNS;
+// dynamic shared memory tokens x H fp16
+extern "C" __global__ void __launch_bounds__(LM_THREADS, 1)
+lm_head_logits_rows(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
+                    float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,
+                    const SamplerSettings* sampler, int tokens) {
+  uint4* x_shared = reinterpret_cast<uint4*>(gemv_shared);  // [tokens][LM_PIECES]
+  __shared__ float warp_values[VERIFY_ROWS][LM_WARPS];
+  __shared__ int warp_indices[VERIFY_ROWS][LM_WARPS];
+  __shared__ unsigned int warp_non_finite[LM_WARPS];  // bit j: token j saw a NaN or +inf logit
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   let_next_kernel_launch();
-  const int first_tile = blockIdx.x * WARPS + warp;
-  uint4 w[LM_BATCH][2];
-  const uint4* first_rows[2];
-  lm_tile_rows(weight, first_tile, lane, first_rows);
-  if (first_tile < LM_TILES) load_lm_batch(first_rows, 0, w);
+  const int first_row = blockIdx.x * LM_WARPS + warp;
+  uint4 w[LM_PIECES_PER_LANE];
+  if (first_row < NQ_VOCAB) load_lm_row(weight, first_row, lane, w);
   const double temperature = key_temperature(sampler);
-  unsigned int steps[BLOCKS][2];  // the noise of this lane's columns: tokens 8 c + 2 t + column
+  unsigned int steps[VERIFY_ROWS];
 #pragma unroll
-  for (int c = 0; c < BLOCKS; ++c)
-    for (int column = 0; column < 2; ++column)
-      steps[c][column] = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION] + c * MMA_COLUMNS + 2 * t + column) : 0u;
+  for (int j = 0; j < VERIFY_ROWS; ++j) steps[j] = temperature > 0 ? noise_step(*sampler, state[STATE_POSITION] + j) : 0u;
   wait_for_previous_kernel();
-  for (int piece = threadIdx.x; piece < tokens * LM_PIECES; piece += THREADS)
-    x_shared[piece / LM_PIECES * LM_X_STRIDE + piece % LM_PIECES] = x[piece];
+  for (int piece = threadIdx.x; piece < tokens * LM_PIECES; piece += LM_THREADS) x_shared[piece] = x[piece];
   __syncthreads();
-  const uint4* column_x[BLOCKS];  // column g of block c: token 8 c + g (the last one where there are fewer)
-#pragma unroll
-  for (int c = 0; c < BLOCKS; ++c) column_x[c] = x_shared + min(c * MMA_COLUMNS + g, tokens - 1) * LM_X_STRIDE;
 
-  float best_value[BLOCKS][2];
-  int best_index[BLOCKS][2];
+  float best_value[VERIFY_ROWS];
+  int best_index[VERIFY_ROWS];
 #pragma unroll
-  for (int c = 0; c < BLOCKS; ++c) best_value[c][0] = best_value[c][1] = NEGATIVE_INFINITY, best_index[c][0] = best_index[c][1] = 0;
+  for (int j = 0; j < VERIFY_ROWS; ++j) best_value[j] = NEGATIVE_INFINITY, best_index[j] = 0;
   unsigned int non_finite = 0;
-  for (int tile = first_tile; tile < LM_TILES; tile += gridDim.x * WARPS) {
-    const uint4* rows[2];
-    lm_tile_rows(weight, tile, lane, rows);
-    if (tile != first_tile) load_lm_batch(rows, 0, w);
-    float d[BLOCKS][4];
-    lm_tile_dot<BLOCKS>(rows, column_x, blocks, t, w, d);
+  const int warps_in_grid = gridDim.x * LM_WARPS;
+  for (int row = first_row; row < NQ_VOCAB; row += warps_in_grid) {
+    if (row != first_row) load_lm_row(weight, row, lane, w);
+    // Pieces outside, tokens inside: each piece of weights is converted to fp32 once for all the
+    // tokens, and every token's FMA chain still runs over the pieces in scan_rows' order.
+    float sums[VERIFY_ROWS];
 #pragma unroll
-    for (int c = 0; c < BLOCKS; ++c) {
+    for (int j = 0; j < VERIFY_ROWS; ++j) sums[j] = 0.0f;
 #pragma unroll
-      for (int column = 0; column < 2; ++column) {
-        const int token = c * MMA_COLUMNS + 2 * t + column;
-        if (token >= tokens) continue;
+    for (int p = 0; p < LM_PIECES_PER_LANE; ++p) {
+      const int piece = lane + p * WARP_SIZE;
+      if (piece >= LM_PIECES) continue;
+      const unsigned int ws[4] = {w[p].x, w[p].y, w[p].z, w[p].w};
+      float2 wf[4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = tile * LM_TILE_ROWS + g + 8 * r;
-          if (row >= NQ_VOCAB) continue;
-          const float logit = d[c][2 * r + column];
-          logits[(long long)token * NQ_VOCAB + row] = logit;
-          if (!(logit < POSITIVE_INFINITY)) non_finite |= 1u << token;
-          const float key = temperature > 0 ? noisy_key(logit, scaled_noise(temperature, steps[c][column], row)) : logit;
-          if (better_candidate(key, row, best_value[c][column], best_index[c][column])) {
-            best_value[c][column] = key;
-            best_index[c][column] = row;
-          }
+      for (int k = 0; k < 4; ++k) wf[k] = half2_to_float2(ws[k]);
+#pragma unroll
+      for (int j = 0; j < VERIFY_ROWS; ++j) {
+        if (j >= tokens) break;  // the same for the whole block
+        const uint4 xv = x_shared[j * LM_PIECES + piece];
+        const unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // dot8_half's order
+          const float2 xf = half2_to_float2(xs[k]);
+          sums[j] = fmaf(wf[k].x, xf.x, sums[j]);
+          sums[j] = fmaf(wf[k].y, xf.y, sums[j]);
         }
       }
     }
-  }
 #pragma unroll
-  for (int c = 0; c < BLOCKS; ++c) {
-#pragma unroll
-    for (int column = 0; column < 2; ++column) {
-      argmax_over_groups(best_value[c][column], best_index[c][column]);
-      const int token = c * MMA_COLUMNS + 2 * t + column;
-      if (g == 0 && token < tokens) warp_values[token][warp] = best_value[c][column], warp_indices[token][warp] = best_index[c][column];
+    for (int j = 0; j < VERIFY_ROWS; ++j) {
+      if (j >= tokens) break;
+      const float sum = warp_sum(sums[j]);
+      if (lane == 0) logits[(long long)j * NQ_VOCAB + row] = sum;
+      if (!(sum < POSITIVE_INFINITY)) non_finite |= 1u << j;
+      const float key = temperature > 0 ? noisy_key(sum, scaled_noise(temperature, steps[j], row)) : sum;
+      if (better_candidate(key, row, best_value[j], best_index[j])) {
+        best_value[j] = key;
+        best_index[j] = row;
+      }
     }
   }
-  non_finite = __reduce_or_sync(FULL_MASK, non_finite);
-  if (lane == 0) warp_non_finite[warp] = non_finite;
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < VERIFY_ROWS; ++j) warp_values[j][warp] = best_value[j], warp_indices[j][warp] = best_index[j];
+    warp_non_finite[warp] = non_finite;
+  }
   __syncthreads();
   if (warp != 0) return;
-  const unsigned int block_non_finite = __reduce_or_sync(FULL_MASK, lane < WARPS ? warp_non_finite[lane] : 0u);
+  unsigned int block_non_finite = lane < LM_WARPS ? warp_non_finite[lane] : 0u;
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) block_non_finite |= __shfl_xor_sync(FULL_MASK, block_non_finite, offset);
   for (int j = 0; j < tokens; ++j) {
-    float value = lane < WARPS ? warp_values[j][lane] : NEGATIVE_INFINITY;
-    int index = lane < WARPS ? warp_indices[j][lane] : 0;
+    float value = lane < LM_WARPS ? warp_values[j][lane] : NEGATIVE_INFINITY;
+    int index = lane < LM_WARPS ? warp_indices[j][lane] : 0;
     warp_argmax(value, index);
     if (lane == 0) {
       candidate_values[j * gridDim.x + blockIdx.x] = block_non_finite >> j & 1u ? __int_as_float(0x7fc00000) : value;
@@ -338,19 +318,6 @@ __device__ __forceinline__ void lm_head_rows(const uint4* x, const uint4* __rest
     }
   }
 }
-
-constexpr int LM_WIDE_THREADS = 384;
-NQ_EXPORT_INT(LM_WIDE_THREADS)
-#define NQ_LM_HEAD_ROWS_KERNEL(NAME, TOKENS, THREADS, BLOCKS_PER_SM)                                        \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)                                     \
-      NAME(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,                   \
-           float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,     \
-           const SamplerSettings* sampler, int tokens) {                                                   \
-    lm_head_rows<TOKENS, THREADS>(x, weight, logits, candidate_values, candidate_indices, state, sampler, tokens); \
-  }
-
-NQ_LM_HEAD_ROWS_KERNEL(lm_head_logits_rows_narrow, NARROW_ROWS, LM_THREADS, NQ_LM_BLOCKS_PER_SM)
-NQ_LM_HEAD_ROWS_KERNEL(lm_head_logits_rows_wide, VERIFY_ROWS, LM_WIDE_THREADS, 1)
 
 // The pass's last kernel: row j's token from its candidates (argmax_select_next's reduction), and
 // the verdict: rows are accepted up to and including the first whose token differs from the next

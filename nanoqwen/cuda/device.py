@@ -47,10 +47,9 @@ def set_carveout(kernel, percent: int) -> None:
                                     percent)
 
 
-def persistent_blocks(kernel, threads: int, num_sms: int, shared_bytes: int = 0) -> int:
-    """Blocks of a persistent kernel (with `shared_bytes` of dynamic shared memory each): as many
-    as can be resident on the GPU at once."""
+def persistent_blocks(kernel, threads: int, num_sms: int) -> int:
+    """Blocks of a persistent kernel: as many as can be resident on the GPU at once."""
     import cupy as cp
 
-    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, shared_bytes)
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)
     return max(1, per_sm) * num_sms

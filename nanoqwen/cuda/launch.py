@@ -54,11 +54,10 @@ KERNELS_THAT_WAIT = frozenset({
     "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
     "gemv_int4_from_hidden", "gemv_int4_qkv_rope", "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
     "paged_attention_decode", "paged_attention_combine", "paged_attention_prefill",
-    *(f"{kernel}_{width}" for kernel in ("gemv_int4_qkv_rope_rows", "gemv_int4_rows_from_q_dim",
-                                         "gemv_int4_rows_from_intermediate", "gemv_int4_gate_up_silu_rows",
-                                         "lm_head_logits_rows")
+    *(f"{gemv}_{width}" for gemv in ("gemv_int4_qkv_rope_rows", "gemv_int4_rows_from_q_dim",
+                                     "gemv_int4_rows_from_intermediate", "gemv_int4_gate_up_silu_rows")
       for width in ("narrow", "wide")),
-    "verify_select",
+    "lm_head_logits_rows", "verify_select",
     *(f"{kind}_{width}" for kind in ("quantize_activations_int8", "gemv_int4_int8")
       for width in ("hidden", "q_dim", "intermediate")),
 })

@@ -22,7 +22,7 @@ from ..sampling import GREEDY, SamplingParams
 from ..speculative import MAX_DRAFTS, accepted_tokens
 from . import build
 from .abi import ARGMAX_THREADS, LM_HEAD_THREADS
-from .device import NULL, mapped_host_array, persistent_blocks, set_carveout
+from .device import NULL, mapped_host_array, set_carveout
 from .graph import capture
 from .launch import programmatic_launches
 from .plan import (
@@ -32,7 +32,6 @@ from .plan import (
 from .sampler import check_finite, device_top_k
 
 VERDICT_HEAD = 2  # verify_select's verdict: accepted count, status, then the accepted tokens
-RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps per block beside the kernel's
 
 
 class VerifyPass:
@@ -54,8 +53,6 @@ class VerifyPass:
                 self._verify_ring_bytes[kernel] = build.module_int(module, f"{kernel}_ring_bytes")
                 self.kernels[kernel].max_dynamic_shared_size_bytes = (verify_splits(name, self.config, self.num_sms)
                                                                       * self._verify_ring_bytes[kernel])
-        self._lm_x_stride = build.module_int(module, "abi_LM_X_STRIDE")  # 16-byte pieces per row of x
-        self._lm_rows_threads = {"narrow": LM_HEAD_THREADS, "wide": build.module_int(module, "abi_LM_WIDE_THREADS")}
         self._verify = None  # buffers, allocated at the first pass
         self._verify_graphs = {}  # rows -> graph
 
@@ -78,20 +75,7 @@ class VerifyPass:
 
     def _allocate_verify_buffers(self) -> None:
         cp, c, rows = self._cp, self.config, self.verify_rows
-        # lm_head_logits_rows_{narrow,wide}: threads, dynamic shared memory (their rows' x), blocks.
-        # The carve-out leaves the rest of each SM's L1 to the weight loads in flight, which land in
-        # L1 on their way to registers: at full shared memory (28 KB of L1) the stream slows by 40%.
-        lm_heads = {}
-        per_sm = self._cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
-        for width, most_rows in (("narrow", NARROW_ROWS), ("wide", rows)):
-            kernel, threads = self.kernels[f"lm_head_logits_rows_{width}"], self._lm_rows_threads[width]
-            shared = most_rows * self._lm_x_stride * 16
-            kernel.max_dynamic_shared_size_bytes = shared
-            blocks = persistent_blocks(kernel, threads, self.num_sms, shared)
-            resident = blocks // self.num_sms * (shared + RESERVED_SHARED_BYTES)
-            set_carveout(kernel, min(100, -(-100 * resident // per_sm)))
-            lm_heads[width] = (threads, blocks)
-        blocks = max(b for _, b in lm_heads.values())
+        blocks = self.num_sms  # lm_head_logits_rows: one block per SM holds the rows' x
         verdict, verdict_memory = mapped_host_array((VERDICT_HEAD + rows,), np.int32)
         self._verify = {
             "tokens": cp.zeros(rows, dtype=cp.int32),
@@ -105,8 +89,9 @@ class VerifyPass:
             "logits": cp.empty((rows, c.vocab_size), dtype=cp.float32),
             "candidate_values": cp.empty((rows, blocks), dtype=cp.float32),
             "candidate_indices": cp.empty((rows, blocks), dtype=cp.int32),
-            "lm_heads": lm_heads, "verdict": verdict, "verdict_memory": verdict_memory,
+            "blocks": blocks, "verdict": verdict, "verdict_memory": verdict_memory,
         }
+        self.kernels["lm_head_logits_rows"].max_dynamic_shared_size_bytes = rows * c.hidden_size * 2
 
     def _verify_gemv(self, name: str, linear, tokens: int, args) -> None:
         # gate+up's blocks take a tile of gate's rows and the same rows of up
@@ -146,17 +131,15 @@ class VerifyPass:
                                    np.int32(layer.down.out_features)))
                 down = down_out
             self._add_rmsnorm(residual, down, self.final_norm, normed, tokens, cluster=True)
-            width = "narrow" if tokens <= NARROW_ROWS else "wide"
-            threads, blocks = v["lm_heads"][width]
-            k[f"lm_head_logits_rows_{width}"](
-                (blocks,), (threads,),
+            k["lm_head_logits_rows"](
+                (v["blocks"],), (LM_HEAD_THREADS,),
                 (normed, self.lm_head, v["logits"], v["candidate_values"], v["candidate_indices"], self.state,
                  self.sampler, np.int32(tokens)),
-                shared_mem=tokens * self._lm_x_stride * 16,
+                shared_mem=tokens * self.config.hidden_size * 2,
             )
             k["verify_select"](
                 (1,), (ARGMAX_THREADS,),
-                (v["candidate_values"], v["candidate_indices"], np.int32(blocks), np.int32(tokens), v["tokens"],
+                (v["candidate_values"], v["candidate_indices"], np.int32(v["blocks"]), np.int32(tokens), v["tokens"],
                  self.state, np.uint64(v["verdict"].ctypes.data)),
             )
 
