@@ -15,8 +15,11 @@
    made; and, measured directly on the 7B's random weights (nothing to copy),
    speculate = 8 against plain decoding.
 
-Writes OUT.json (pass_costs, acceptance, effective, no_copy_7b, with date, GPU, commit, command)
-and OUT.md.
+4. Where a pass's time goes: the in-graph cost of each kernel of a decode step and of verify
+   passes of 1, 2, 5, 8, 9 and 17 rows.
+
+Writes OUT.json (pass_costs, kernel_us_per_launch, effective, no_copy_7b, with date, GPU, commit,
+command) and OUT.md.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from record import record_header, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 7, 8, 16]  # 7: the most a narrow pass takes (8 rows)
+KERNEL_ROWS = [1, 2, 5, 8, 9, 17]  # the per-kernel breakdown: both widths at both ends
 SPECULATE = [4, 7, 8, 16]
 EDIT_PROMPTS = ["type hints", "rename", "add a field"]  # of nanoqwen.testing.CODE_EDIT_PROMPTS
 SHORT_PROMPT = "# A function that returns the n-th prime number\n"
@@ -58,6 +62,25 @@ def pass_costs(engine, rng) -> dict:
     for k in DRAFT_COUNTS:
         drafts = rng.integers(0, vocab, k).tolist()
         costs[k] = wall_ms(lambda: backend.verify(1, drafts, PROMPT_TOKENS, pages))
+    engine.allocator.free(pages)
+    return costs
+
+
+def kernel_costs(engine, rng) -> dict:
+    """In-graph us per launch of each kernel of a decode step ("0") and of verify passes of
+    KERNEL_ROWS rows (nanoqwen.cuda.profile.launch_costs), at PROMPT_TOKENS of context."""
+    from nanoqwen.cuda.profile import launch_costs
+
+    backend, vocab = engine.backend, engine.config.vocab_size
+    pages = engine.allocator.allocate(-(-(PROMPT_TOKENS + 32) // 16))
+    backend.prefill(rng.integers(0, vocab, PROMPT_TOKENS), 0, pages)
+    backend.set_step_inputs(1, PROMPT_TOKENS, pages)
+    costs = {"0": launch_costs(backend)[0]}
+    for rows in KERNEL_ROWS:
+        backend.verify(1, rng.integers(0, vocab, rows - 1).tolist(), PROMPT_TOKENS, pages)  # its inputs and buffers
+        backend.set_step_inputs(1, PROMPT_TOKENS, pages)
+        costs[str(rows)] = launch_costs(backend, launches=lambda stream: backend.verify_launches(rows, stream))[0]
+    backend.forget_step_inputs()
     engine.allocator.free(pages)
     return costs
 
@@ -116,6 +139,17 @@ def markdown(record: dict) -> str:
     for row in record["effective"]:
         lines.append(f"| {row['prompt']} | {row['speculate']} | {row['tokens_per_pass']:.2f} | "
                      f"{row['accepted']}/{row['drafted']} | {row['ms_per_token']:.3f} | {plain / row['ms_per_token']:.2f}x |")
+    kernels = record["kernel_us_per_launch"]
+    widths = list(kernels)
+    names = sorted({name for costs_of in kernels.values() for name in costs_of},
+                   key=lambda name: -max(costs_of.get(name, 0.0) for costs_of in kernels.values()))
+    lines += ["", "In-graph µs per launch of each kernel (`launch_costs`: all launches of a kernel in one graph), "
+              "a decode step against verify passes of each row count:", "",
+              "| kernel | " + " | ".join("decode" if w == "0" else f"{w} rows" for w in widths) + " |",
+              "| --- |" + " ---: |" * len(widths)]
+    for name in names:
+        cells = [f"{kernels[w][name]:.2f}" if name in kernels[w] else "" for w in widths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     nc = record["no_copy_7b"]
     lines += ["", f"Nothing to copy, measured on the 7B's random weights: plain {nc['plain_ms_per_token']:.3f} ms/token, "
               f"speculate=8 {nc['speculative_ms_per_token']:.3f} ms/token ({nc['tokens_per_pass']:.2f} tokens per pass), "
@@ -145,6 +179,7 @@ def main() -> int:
     write_random_model(model, PRESETS["qwen2.5-coder-7b"])
     with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
         costs = pass_costs(engine, rng)
+        kernels = kernel_costs(engine, rng)
         ids = rng.integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
         plain = plain_ms_per_token(engine, ids)
         speculative = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=8) for _ in range(3)]
@@ -157,6 +192,7 @@ def main() -> int:
         "floor_ms": floor,
         "plain_ms_per_token": plain,
         "pass_costs_ms": {str(k): v for k, v in costs.items()},
+        "kernel_us_per_launch": kernels,
         "effective": effective,
         "no_copy_7b": dict(plain_ms_per_token=plain,
                            speculative_ms_per_token=1e3 / statistics.median(r.decode_tokens_per_second for r in speculative),

@@ -45,8 +45,8 @@ case "${1:-checks}" in
       --presets qwen2.5-coder-14b qwen2.5-coder-32b qwen2.5-coder-7b qwen2.5-coder-0.5b qwen2.5-coder-1.5b qwen2.5-coder-3b
     ;;
   speculative)
-    step "verify tests" 200 $PYTEST tests/test_verify_cuda.py -x
-    step "speculative record" 300 python3 tools/bench_speculative.py --out "$OUT/speculative-h200"
+    step "verify tests" 300 $PYTEST tests/test_verify_cuda.py -x
+    step "speculative record" 400 python3 tools/bench_speculative.py --out "$OUT/speculative-h200"
     ;;
   sizes)
     step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"

@@ -82,8 +82,9 @@ def _graph_time_us(stream, issue, replays: int) -> float:
     return gpu_ms(stream, lambda: graph.launch(stream), replays) * 1e3
 
 
-def launch_costs(backend, replays: int = 20) -> tuple[dict[str, float], list[str]]:
-    """In-graph cost (us per launch) of each kernel of one decode step, by kernel name.
+def launch_costs(backend, replays: int = 20, launches=None) -> tuple[dict[str, float], list[str]]:
+    """In-graph cost (us per launch) of each kernel of one decode step (or of `launches(stream)`,
+    another fixed launch sequence of the backend's, such as a verify pass), by kernel name.
 
     All launches of one name (28 GEMVs over 28 layers' different weights, say) are captured
     in step order into a graph of their own, so each reads its own bytes from HBM as in the
@@ -95,8 +96,8 @@ def launch_costs(backend, replays: int = 20) -> tuple[dict[str, float], list[str
     stream = backend.stream
     with stream:
         snapshot = backend.state.copy()
-    with LaunchRecorder(backend) as recorder:  # one eager step to learn the launch sequence
-        backend.decode_step_launches(stream)
+    with LaunchRecorder(backend) as recorder:  # one eager run to learn the launch sequence
+        (launches or backend.decode_step_launches)(stream)
     by_name: dict[str, list] = {}
     for name, thunk in recorder.launches:
         by_name.setdefault(name, []).append(thunk)
