@@ -293,6 +293,39 @@ def test_plain_steps_between_passes_run_ahead_and_waste_nothing(coder, monkeypat
         assert passes and result.tokens_per_pass > 2
 
 
+def test_numpy_next_tokens_stops_at_once_when_told():
+    """Nothing runs ahead on the numpy backend: a True sent in (Backend.next_tokens) ends the run."""
+    engine = Engine(nanoqwen.load(DEFAULT_MODEL), backend="numpy")
+    prompt = engine.encode_prompt(EDIT_PROMPT)
+    table = engine.allocator.allocate(pages_needed(len(prompt) + 8))
+    first = int(np.argmax(engine.backend.prefill(np.asarray(prompt), 0, table)))
+    upcoming = engine.backend.next_tokens(first, len(prompt), table, 8)
+    tokens = [next(upcoming), next(upcoming)]
+    with pytest.raises(StopIteration):
+        upcoming.send(True)
+    plain = engine.generate(prompt, max_new_tokens=3, stop_token_ids=[]).token_ids
+    assert [first, *tokens] == plain
+
+
+def test_drafts_that_always_fail_pause_drafting(coder, monkeypatch):
+    """With every draft wrong, verify passes come in runs of FAILURES_BEFORE_PAUSE between pauses
+    of FIRST_PAUSE, 2 FIRST_PAUSE, ... plain steps, and the tokens stay plain decoding's."""
+    new_tokens = 120
+    plain = coder.generate(NOTHING_TO_COPY, max_new_tokens=new_tokens, stop_token_ids=[]).token_ids
+    vocab = coder.config.vocab_size
+    monkeypatch.setattr(PromptLookup, "draft", lambda self, count: [(self.tokens[-1] + 1) % vocab] * min(count, 2))
+    passes = recorded_passes(monkeypatch, coder)
+    result = coder.generate(NOTHING_TO_COPY, max_new_tokens=new_tokens, stop_token_ids=[], speculate=2)
+    assert result.token_ids == plain
+    # A wrong draft's pass makes one token, as a plain step does: runs of failed passes, then pauses.
+    made, expected, pause = 0, 0, FIRST_PAUSE
+    while made < new_tokens - 1:
+        failed = min(FAILURES_BEFORE_PAUSE, new_tokens - 1 - made)
+        expected, made = expected + failed, made + failed + pause
+        pause *= 2
+    assert len(passes) == expected and all(len(accepted) == 1 for _, _, accepted in passes)
+
+
 @pytest.mark.parametrize("name", RANDOM_MODELS)
 def test_random_models_reject_and_rewrite_rows_exactly(random_models, name):
     """Random models copy little: many passes reject a draft, and the next one overwrites its rows."""
