@@ -251,11 +251,13 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   // Verifying, column g of block c is token 8 c + g (the last token where there are fewer: those
   // columns are computed and dropped), and lane (g, t) multiplies its elements 32 t .. 32 t + 31
   // of each group, four 16-byte pieces from token_x[c] + 16 i in group i of the range.
-  const uint4* token_x[BLOCKS];
+  const uint4* token_x[BLOCKS] = {};
+  if constexpr (ROWS) {
 #pragma unroll
-  for (int c = 0; c < BLOCKS; ++c)
-    token_x[c] = reinterpret_cast<const uint4*>(x + (long long)min(c * MMA_COLUMNS + g, tokens - 1) * K +
-                                                group_begin * NQ_GROUP_SIZE + 32 * t);
+    for (int c = 0; c < BLOCKS; ++c)
+      token_x[c] = reinterpret_cast<const uint4*>(x + (long long)min(c * MMA_COLUMNS + g, tokens - 1) * K +
+                                                  group_begin * NQ_GROUP_SIZE + 32 * t);
+  }
 
   // Start the copies of group number `i` (0-based within the range) into ring slot SLOT:
   // weights (and, not STAGED, scales) always, x only once the previous kernel has written it
@@ -305,25 +307,16 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       // Refill the slot that iteration i - 1 finished with, STAGES - 1 groups ahead.
       if (!all_ahead && i + STAGES - 1 < count) NQ_FETCH_GROUP(i + STAGES - 1, (u + STAGES - 1) % STAGES, true);
       copy_async_commit();
-      // This lane's 32 activations of the group, 8 per word of the weights, for every tile: decode's
-      // from the slot, a verify pass's of one column block from global memory, requested before the
-      // wait for the slot so that the two latencies overlap. With more blocks, and in q|k|v and o
-      // (AHEAD), whose 64-register budget has no room for them, each block's x is loaded where it
-      // is used, so that the blocks' x do not all occupy registers at once.
-      constexpr bool ONE_X = !ROWS || (BLOCKS == 1 && !AHEAD);
-      uint4 group_x[4];
-      if constexpr (ROWS && ONE_X) {
-        if (i < count) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) group_x[j] = token_x[0][i * X_PIECES_PER_GROUP + j];
-        }
-      }
       copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed in slot u
       __syncwarp();                   // and so have every other lane's (x)
       if (i < count) {  // the same for the whole warp
+        // This lane's 32 activations, 8 per word of the weights. Decode's x is the same in every
+        // column and serves every tile: loaded from the slot once. A verify pass's comes from
+        // global memory where it is used, so the blocks' x do not all occupy registers at once.
+        uint4 decode_x[4];
         if constexpr (!ROWS) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) group_x[j] = x_ring[u * X_PIECES_PER_GROUP + 4 * t + j];
+          for (int j = 0; j < 4; ++j) decode_x[j] = x_ring[u * X_PIECES_PER_GROUP + 4 * t + j];
         }
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
@@ -338,7 +331,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 #pragma unroll
             for (int c = 0; c < BLOCKS; ++c) {
               if (c >= blocks) break;  // the same for the whole warp
-              const uint4 xv = ONE_X ? group_x[j] : token_x[c][i * X_PIECES_PER_GROUP + j];
+              const uint4 xv = ROWS ? token_x[c][i * X_PIECES_PER_GROUP + j] : decode_x[j];
               mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
               mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
             }

@@ -435,7 +435,8 @@ __device__ int filtered_draw(const float* logits, int n, float top, const Sample
 
 // The lm_head's per-block candidates [0, count) reduced to the best (value, index), which every
 // thread gets; true when some block saw a NaN or +inf logit (its candidate value is NaN). The
-// whole block calls it; it begins with a barrier, so calls may follow each other.
+// whole block calls it; a barrier comes before its use of shared memory, so calls may follow each
+// other.
 __device__ __forceinline__ bool reduce_candidates(const float* values, const int* indices, int count, float& value,
                                                   int& index) {
   value = NEGATIVE_INFINITY;

@@ -24,7 +24,8 @@ NQ_EXPORT_INT(VERIFY_ROWS)
 // registers close to decode's), and up to VERIFY_ROWS (three). A kernel sized for 17 tokens keeps
 // 12 accumulators a tile per lane, which costs q|k|v and o a block per SM; the short passes, the
 // most common, run the narrow kernels (nanoqwen/cuda/verify.py picks by the pass's rows).
-constexpr int NARROW_ROWS = MMA_COLUMNS;
+constexpr int NARROW_ROWS = 8;
+static_assert(NARROW_ROWS == MMA_COLUMNS, "a narrow verify GEMV takes one MMA block of columns");
 NQ_EXPORT_INT(NARROW_ROWS)
 
 // One warp's ring of a verify GEMV: its decode twin's depth of weight slots, without the x slots

@@ -16,8 +16,8 @@ import nanoqwen
 from nanoqwen import Engine
 from nanoqwen.backends import cuda_available
 from nanoqwen.cli import DEFAULT_MODEL
-from nanoqwen.sampling import GREEDY, SamplingParams
-from nanoqwen.cuda.plan import NARROW_ROWS
+from nanoqwen.sampling import GREEDY
+from nanoqwen.cuda.abi import NARROW_ROWS
 from nanoqwen.speculative import MAX_DRAFTS
 from nanoqwen.testing import CODE_EDIT_PROMPTS, FAMILY_SHAPES, make_nanoqwen
 

@@ -49,6 +49,7 @@ SOURCES = {
     "TILE_ROWS": "gemv_int4.cu", "SPLIT_K_MAX_WARPS": "gemv_int4.cu", "GATE_UP_MAX_SPLITS": "gemv_int4.cu",
     "RMS_CLUSTER": "rmsnorm.cu", "LM_THREADS": "lm_head.cu",
     "ARGMAX_THREADS": "sampler.cu", "TOP_K_MAX": "sampler.cu",
+    "VERIFY_ROWS": "verify.cu", "NARROW_ROWS": "verify.cu",
 }
 
 
@@ -71,6 +72,8 @@ RMS_CLUSTER = _source("RMS_CLUSTER")  # blocks of add_rmsnorm_cluster's clusters
 LM_HEAD_THREADS = _source("LM_THREADS")
 ARGMAX_THREADS = _source("ARGMAX_THREADS")
 TOP_K_MAX = _source("TOP_K_MAX")  # the largest top-k the device sampler applies
+VERIFY_ROWS = _source("VERIFY_ROWS")  # the most rows of a verify pass
+NARROW_ROWS = _source("NARROW_ROWS")  # the most rows of the narrow verify GEMVs
 
 if TILE_ROWS != HOST_TILE_ROWS:
     raise ImportError(f"kernels/gemv_int4.cu tiles {TILE_ROWS} rows, nanoqwen/quant.py {HOST_TILE_ROWS}")

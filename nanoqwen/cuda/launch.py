@@ -44,6 +44,7 @@ import warnings
 import numpy as np
 
 from ..errors import LaunchError
+from .plan import VERIFY_GEMVS, VERIFY_WIDTHS
 
 # Kernels whose every block calls wait_for_previous_kernel() before it reads what an earlier
 # kernel of the step wrote and before it writes anything. Only these may be launched to start
@@ -54,9 +55,7 @@ KERNELS_THAT_WAIT = frozenset({
     "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
     "gemv_int4_from_hidden", "gemv_int4_qkv_rope", "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
     "paged_attention_decode", "paged_attention_combine", "paged_attention_prefill",
-    *(f"{gemv}_{width}" for gemv in ("gemv_int4_qkv_rope_rows", "gemv_int4_rows_from_q_dim",
-                                     "gemv_int4_rows_from_intermediate", "gemv_int4_gate_up_silu_rows")
-      for width in ("narrow", "wide")),
+    *(f"{gemv}_{width}" for gemv in VERIFY_GEMVS for width in VERIFY_WIDTHS),
     "lm_head_logits_rows", "verify_select",
     *(f"{kind}_{width}" for kind in ("quantize_activations_int8", "gemv_int4_int8")
       for width in ("hidden", "q_dim", "intermediate")),

@@ -19,6 +19,7 @@ from .abi import (
     GATE_UP_MAX_SPLITS,
     GEMV_MAX_SPLITS,
     LM_HEAD_THREADS,
+    NARROW_ROWS,
     RMS_CLUSTER,
 )
 
@@ -113,10 +114,8 @@ class VerifyGemv(NamedTuple):
     decode_kernel: str
 
 
-# A verify pass runs decode's GEMVs for up to VERIFY_ROWS tokens, each GEMV in two widths: a
-# narrow kernel for up to NARROW_ROWS tokens and a wide one for more (kernels/verify.cu).
-VERIFY_ROWS = 17  # kernels/verify.cu's VERIFY_ROWS: nanoqwen.speculative.MAX_DRAFTS + 1
-NARROW_ROWS = 8  # kernels/verify.cu's NARROW_ROWS: the MMA's columns
+# A verify pass runs decode's GEMVs for up to abi.VERIFY_ROWS tokens, each GEMV in two widths: a
+# narrow kernel for up to abi.NARROW_ROWS tokens and a wide one for more (kernels/verify.cu).
 VERIFY_WIDTHS = ("narrow", "wide")
 VERIFY_GEMVS = {
     "gemv_int4_qkv_rope_rows": VerifyGemv("qkv", QKV_ROPE_KERNEL),
@@ -128,7 +127,7 @@ VERIFY_GEMVS = {
 
 def verify_kernel(name: str, tokens: int) -> str:
     """The kernel of verify GEMV `name` (a VERIFY_GEMVS key) for a pass of `tokens` rows."""
-    return f"{name}_{'narrow' if tokens <= NARROW_ROWS else 'wide'}"
+    return f"{name}_{VERIFY_WIDTHS[0] if tokens <= NARROW_ROWS else VERIFY_WIDTHS[1]}"
 
 
 def verify_splits(kernel: str, config, num_sms: int) -> int:

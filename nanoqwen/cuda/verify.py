@@ -21,14 +21,11 @@ import numpy as np
 from ..sampling import GREEDY, SamplingParams
 from ..speculative import MAX_DRAFTS, accepted_tokens
 from . import build
-from .abi import ARGMAX_THREADS, LM_HEAD_THREADS
+from .abi import ARGMAX_THREADS, LM_HEAD_THREADS, VERIFY_ROWS
 from .device import NULL, mapped_host_array, set_carveout
 from .graph import capture
 from .launch import programmatic_launches
-from .plan import (
-    GEMV_CARVEOUT_PERCENT, NARROW_ROWS, VERIFY_GEMVS, VERIFY_ROWS, VERIFY_WIDTHS, gemv_launch, verify_kernel,
-    verify_splits,
-)
+from .plan import GEMV_CARVEOUT_PERCENT, VERIFY_GEMVS, VERIFY_WIDTHS, gemv_launch, verify_kernel, verify_splits
 from .sampler import check_finite, device_top_k
 
 VERDICT_HEAD = 2  # verify_select's verdict: accepted count, status, then the accepted tokens
@@ -38,12 +35,10 @@ class VerifyPass:
     """CudaBackend's part that runs verify passes (`verify`, the protocol's)."""
 
     def _init_verify(self, module) -> None:
-        self.verify_rows = build.module_int(module, "abi_VERIFY_ROWS")
-        if self.verify_rows != VERIFY_ROWS or self.verify_rows < MAX_DRAFTS + 1:
-            raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows, plan.VERIFY_ROWS {VERIFY_ROWS}; "
-                               f"speculation drafts up to {MAX_DRAFTS} + 1")
-        if build.module_int(module, "abi_NARROW_ROWS") != NARROW_ROWS:
-            raise RuntimeError("kernels/verify.cu's narrow GEMVs take otherwise many rows than plan.NARROW_ROWS")
+        self.verify_rows = VERIFY_ROWS  # abi.check_compiled has compared the module's
+        if self.verify_rows < MAX_DRAFTS + 1:
+            raise RuntimeError(f"kernels/verify.cu takes {self.verify_rows} rows; speculation drafts up to "
+                               f"{MAX_DRAFTS} + 1")
         # Each verify GEMV takes its decode twin's carve-out (its ring depth too, kernels/verify.cu).
         self._verify_ring_bytes = {}  # kernel -> one warp's ring
         for name, gemv in VERIFY_GEMVS.items():
