@@ -367,10 +367,11 @@ class Engine:
         Without speculation each pass is one of `next_tokens`' steps. With it, each pass first
         drafts from prompt + tokens so far: a draft is verified in one pass, and without one
         plain steps run as without speculation, queued behind each other, until the text drafts
-        again. Drafting pauses after passes that keep failing (DraftSchedule). The drafts are capped so that a pass never chooses a token
-        past max_new_tokens, so no pass writes K/V past the last position plain decoding writes
-        (prompt + max_new_tokens - 2) and the request's pages cover every row. The consumer
-        closes this generator at a stop token, so drafts come from tokens of the output only.
+        again. Drafting pauses after passes that keep failing (DraftSchedule). The drafts are
+        capped so that a pass never chooses a token past max_new_tokens, so no pass writes K/V past
+        the last position plain decoding writes (prompt + max_new_tokens - 2) and the request's
+        pages cover every row. The consumer closes this generator at a stop token, so drafts come
+        from tokens of the output only.
         """
         token, chosen = request.chosen[-1], len(request.chosen)
         backend, sampling = self.backend, request.sampling
@@ -391,7 +392,7 @@ class Engine:
             drafts = lookup.draft(min(schedule.allowed(), remaining - 1))
             if drafts:
                 tokens = backend.verify(token, drafts, position, page_table, sampling)
-                schedule.verified(len(drafts), len(tokens) - 1)
+                schedule.verified(len(tokens) - 1)
                 request.decode_passes += 1
                 request.drafted_tokens += len(drafts)
                 request.accepted_drafts += len(tokens) - 1

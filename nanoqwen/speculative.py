@@ -92,8 +92,8 @@ FIRST_PAUSE, LONGEST_PAUSE = 16, 1024
 
 class DraftSchedule:
     """How many drafts the next pass may verify (`allowed`): `speculate`, or 0 while drafting is
-    paused after passes that kept failing. The engine reports each verify pass (`verified`) and
-    each plain step (`stepped`)."""
+    paused after passes that kept failing. The engine reports each verify pass's accepted drafts
+    (`verified`) and each plain step (`stepped`)."""
 
     def __init__(self, speculate: int):
         self.speculate = speculate
@@ -104,7 +104,7 @@ class DraftSchedule:
     def allowed(self) -> int:
         return 0 if self._pause else self.speculate
 
-    def verified(self, drafted: int, accepted: int) -> None:
+    def verified(self, accepted: int) -> None:
         if accepted:
             self._failures, self._next_pause = 0, FIRST_PAUSE
             return

@@ -111,19 +111,19 @@ def test_drafting_pauses_after_passes_that_keep_failing():
     pauses = []
     for _ in range(8):
         for _ in range(FAILURES_BEFORE_PAUSE - 1):
-            schedule.verified(8, 0)
+            schedule.verified(0)
             assert schedule.allowed() == 8
-        schedule.verified(8, 0)
+        schedule.verified(0)
         steps = 0
         while not schedule.allowed():
             schedule.stepped()
             steps += 1
         pauses.append(steps)
     assert pauses == [min(FIRST_PAUSE << i, LONGEST_PAUSE) for i in range(8)]
-    schedule.verified(8, 0)
-    schedule.verified(8, 3)  # a pass that accepts a draft resets both the count and the pause
+    schedule.verified(0)
+    schedule.verified(3)  # a pass that accepts a draft resets both the count and the pause
     for _ in range(FAILURES_BEFORE_PAUSE):
-        schedule.verified(8, 0)
+        schedule.verified(0)
     steps = 0
     while not schedule.allowed():
         schedule.stepped()

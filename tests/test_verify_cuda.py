@@ -4,7 +4,7 @@ A verify pass's row j is decode's step at position + j, computed by the same ari
 same order, so these tests ask for bits, not tolerances: the rows' logits equal the logits of
 decode steps fed the same tokens, at the shapes where the multi-row GEMVs split their groups
 unevenly, with GQA groups of 1 to 8, tied and separate lm_heads, 1 to 17 rows, and rows that
-cross page boundaries. Then the engine: speculation on the CUDA backend makes plain decoding's
+cross page boundaries; and, within rounding, the numpy verify pass, the oracle. Then the engine: speculation on the CUDA backend makes plain decoding's
 tokens, greedy and sampled (device draw and host draw), on nano-coder's edit prompt, where most
 drafts are accepted, and on random weights, where most are rejected and their rows rewritten.
 """
@@ -38,16 +38,30 @@ PROMPT_TOKENS = 21  # a full page and 5 rows of the next: the pass's rows cross 
 ROWS = [1, 2, 5, NARROW_ROWS, NARROW_ROWS + 1, MAX_DRAFTS + 1]
 
 
+# Rounding moves the logits by ~1e-3 of their norm; a wrong row, position or page by O(1)
+# (tests/test_shapes_cuda.py's bound for decode against numpy).
+MAX_RELATIVE_ERROR = 1e-2
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_verify_rows_are_decode_steps_bit_for_bit(name, tmp_path):
+    """Each row against the CUDA decode step at its position (bits), and against the numpy verify
+    pass, the oracle (within rounding), on fresh random prompts and rows."""
     path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **SHAPES[name])
-    with Engine(path, backend="cuda", max_context=64) as engine:
-        backend, vocab = engine.backend, engine.config.vocab_size
+    cases = {}
+    for rows in ROWS:
+        rng = np.random.default_rng(rows)
+        vocab = nanoqwen.load(path).config.vocab_size
+        cases[rows] = rng.integers(0, vocab, PROMPT_TOKENS).astype(np.int32), rng.integers(0, vocab, rows).tolist()
+    oracle = {}
+    with Engine(path, backend="numpy", max_context=64) as engine:
         pages = engine.allocator.allocate(3)
-        for rows in ROWS:
-            rng = np.random.default_rng(rows)
-            prompt = rng.integers(0, vocab, PROMPT_TOKENS).astype(np.int32)
-            row_tokens = rng.integers(0, vocab, rows).tolist()
+        for rows, (prompt, row_tokens) in cases.items():
+            engine.backend.prefill(prompt, 0, pages)
+            oracle[rows] = engine.backend.verify_logits(row_tokens[0], row_tokens[1:], PROMPT_TOKENS, pages)
+    with Engine(path, backend="cuda", max_context=64) as engine:
+        backend, pages = engine.backend, engine.allocator.allocate(3)
+        for rows, (prompt, row_tokens) in cases.items():
             backend.prefill(prompt, 0, pages)
             verified = backend.verify_logits(row_tokens[0], row_tokens[1:], PROMPT_TOKENS, pages)
             # The decode steps write the same K/V rows again; equal bits leave the cache as it was.
@@ -56,6 +70,9 @@ def test_verify_rows_are_decode_steps_bit_for_bit(name, tmp_path):
             mismatched = np.flatnonzero(np.any(verified != decoded, axis=1))
             assert mismatched.size == 0, (f"{rows} rows: rows {mismatched.tolist()} differ; largest difference "
                                           f"{np.abs(verified - decoded).max()}")
+            want = oracle[rows]
+            relative = np.linalg.norm(verified - want, axis=1) / np.linalg.norm(want, axis=1)
+            assert relative.max() < MAX_RELATIVE_ERROR, f"{rows} rows against numpy: {relative}"
 
 
 def greedy_run(backend, prompt, pages, steps: int) -> list[int]:

@@ -76,7 +76,6 @@ def main() -> int:
     parser.add_argument("--long-contexts", nargs="*", type=int, default=LONG_CONTEXTS)
     args = parser.parse_args()
 
-
     from nanoqwen.random_model import PRESETS, write_random_model
 
     scratch = Path(tempfile.mkdtemp())

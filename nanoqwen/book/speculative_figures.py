@@ -10,7 +10,9 @@ __all__ = ["recorded_passes", "speculation_costs"]
 def recorded_passes(engine, prompt, **kwargs):
     """`engine.generate(prompt, **kwargs)` and every pass over the weights it ran after prefill,
     as (position, drafts, tokens made): a verify pass, or a plain step (no drafts) where prompt
-    lookup found nothing. The backend's `verify` and `decode_next` are wrapped for the call only."""
+    lookup found nothing. The backend's `verify` and `decode_next` are wrapped for the call only, so
+    plain steps are recorded where they go through `decode_next`, as the numpy backend's
+    `next_tokens` takes them (the CUDA pipeline launches its graph directly)."""
     backend, passes = engine.backend, []
     verify, decode_next = backend.verify, backend.decode_next
 
