@@ -137,6 +137,22 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
+// One group of one tile times one x, decode's arithmetic (the persistent decode kernel's too): lane
+// (g, t)'s pieces w0 (row g) and w1 (row g + 8), four words of 8 weights each, against its 32
+// activations x (elements 32 t .. 32 t + 31 of the group, the same in every column), in 8 MMAs
+// accumulated into d from zero. Afterwards d[0] is row g's sum and d[2] row g + 8's.
+__device__ __forceinline__ void group_mma(const uint4& w0, const uint4& w1, const uint4 (&x)[4], float (&d)[4]) {
+  const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
+    unpack_int4_word(words0[j], p0);
+    unpack_int4_word(words1[j], p1);
+    mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], x[j].x, x[j].y);
+    mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], x[j].z, x[j].w);
+  }
+}
+
 // One warp's shared-memory ring: STAGES groups of weights (TILES tiles of 16 rows) and of x.
 template <int STAGES, int TILES>
 struct GemvRing {
@@ -321,19 +337,23 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
           const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
-          const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
           float d[BLOCKS][4] = {};
+          if constexpr (!ROWS) {
+            group_mma(w0, w1, decode_x, d[0]);
+          } else {
+            const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
-            unpack_int4_word(words0[j], p0);
-            unpack_int4_word(words1[j], p1);
+            for (int j = 0; j < 4; ++j) {
+              unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
+              unpack_int4_word(words0[j], p0);
+              unpack_int4_word(words1[j], p1);
 #pragma unroll
-            for (int c = 0; c < BLOCKS; ++c) {
-              if (c >= blocks) break;  // the same for the whole warp
-              const uint4 xv = ROWS ? token_x[c][i * X_PIECES_PER_GROUP + j] : decode_x[j];
-              mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
-              mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+              for (int c = 0; c < BLOCKS; ++c) {
+                if (c >= blocks) break;  // the same for the whole warp
+                const uint4 xv = token_x[c][i * X_PIECES_PER_GROUP + j];
+                mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
+                mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+              }
             }
           }
           unsigned short scale0, scale1;
@@ -495,11 +515,12 @@ __device__ __forceinline__ int rope_tile_dim(int first_dim, int m) {
   return first_dim + m % ROPE_PAIRS_PER_TILE + (m >= ROPE_PAIRS_PER_TILE ? ROPE_HALF : 0);
 }
 
-// Lane (g, t)'s rows of block blockIdx.x's tile: head_slot's dims g and g + 8 of the block's order.
-__device__ __forceinline__ void rope_tile_rows(int (&rows)[1][2], int& head_slot, int& first_dim) {
+// Lane (g, t)'s rows of tile `tile` (a block's, in the GEMV kernels): head_slot's dims g and g + 8
+// of the tile's order.
+__device__ __forceinline__ void rope_tile_rows(int tile, int (&rows)[1][2], int& head_slot, int& first_dim) {
   const int lane = threadIdx.x % WARP_SIZE;
-  head_slot = blockIdx.x / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
-  first_dim = blockIdx.x % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
+  head_slot = tile / ROPE_TILES_PER_HEAD;  // query heads, then K heads, then V heads
+  first_dim = tile % ROPE_TILES_PER_HEAD * ROPE_PAIRS_PER_TILE;
   const int head_row = head_slot * NQ_HEAD_DIM;
   rows[0][0] = head_row + rope_tile_dim(first_dim, lane / 4);
   rows[0][1] = head_row + rope_tile_dim(first_dim, lane / 4 + 8);
@@ -529,7 +550,7 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
   let_next_kernel_launch();
   const int split = threadIdx.x / WARP_SIZE;
   int rows[1][2], head_slot, first_dim;
-  rope_tile_rows(rows, head_slot, first_dim);
+  rope_tile_rows(blockIdx.x, rows, head_slot, first_dim);
   const int head_row = head_slot * NQ_HEAD_DIM;
   // Thread m < 16 finishes row m. Its bias, rotation and page are no kernel's output (the position
   // and the page table are the step's inputs): all of them before the wait, inside int4_tile_dot.

@@ -14,6 +14,7 @@
 // Decode has one row, and one block reading it keeps a single SM busy while the rest of the
 // GPU waits: `add_rmsnorm_cluster` spreads the row over a cluster of RMS_CLUSTER blocks on as
 // many SMs, which add their sums of squares through distributed shared memory.
+#pragma once  // decode_persistent.cu includes it too, for the norm of its layers
 #include "common.cuh"
 
 constexpr int RMS_VECTORS = NQ_HIDDEN / 4;                       // float4 per row
@@ -21,10 +22,12 @@ constexpr int RMS_THREADS = RMS_VECTORS < 1024 ? RMS_VECTORS : 1024;  // a multi
 constexpr int RMS_ITEMS = (RMS_VECTORS + RMS_THREADS - 1) / RMS_THREADS;
 
 // residual[v] + delta[v] (the float4 number v of one row; no delta: the residual as it is).
+// Both are other kernels' (or, in the persistent kernel, other blocks') output: loaded from L2 (ld.cg),
+// never from a line an SM's L1 kept from before they were written.
 __device__ __forceinline__ float4 updated_residual(const float4* residual_row, const float4* delta_row, int v) {
-  float4 r = residual_row[v];
+  float4 r = __ldcg(residual_row + v);
   if (delta_row != nullptr) {
-    const float4 d = delta_row[v];
+    const float4 d = __ldcg(delta_row + v);
     r.x += d.x;
     r.y += d.y;
     r.z += d.z;
@@ -63,14 +66,15 @@ __device__ __forceinline__ void load_weight_slice(const unsigned short* weight, 
   }
 }
 
-// The slice's updated residual into x; returns this thread's sum of squares.
+// The slice's updated residual into x; returns this thread's sum of squares. `thread` is the
+// thread's index in its block (the persistent decode kernel plays the cluster's threads itself).
 template <int THREADS, int VECTORS, int ITEMS>
 __device__ __forceinline__ float update_slice(const float4* residual_row, const float4* delta_row, int first,
-                                              float4 (&x)[ITEMS]) {
+                                              float4 (&x)[ITEMS], int thread = threadIdx.x) {
   float sum_squares = 0.0f;
 #pragma unroll
   for (int item = 0; item < ITEMS; ++item) {
-    const int i = threadIdx.x + item * THREADS;
+    const int i = thread + item * THREADS;
     if (i < VECTORS) {
       x[item] = updated_residual(residual_row, delta_row, first + i);
       sum_squares += squares(x[item]);

@@ -155,7 +155,7 @@ __device__ __forceinline__ void qkv_rope_rows(const unsigned int* __restrict__ q
                                               float* __restrict__ q_out, int tokens) {
   let_next_kernel_launch();
   int rows[1][2], head_slot, first_dim;
-  rope_tile_rows(rows, head_slot, first_dim);
+  rope_tile_rows(blockIdx.x, rows, head_slot, first_dim);
   const int head_row = head_slot * NQ_HEAD_DIM;
   const int first_position = positions[0];
   rows_tile_sums<NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, TOKENS>(qweight, scales, x, rows, tokens);

@@ -2,7 +2,7 @@
 
 The decode state's layout, the status words, block sizes and the most warps a GEMV block holds are
 each defined once, in kernels/ (`#define NAME value` or `constexpr int NAME = value;`, a value being
-a number or an earlier NAME of the same file or of common.cuh). This module reads them from there,
+a number or an earlier NAME of the same file or of a file it includes). This module reads them from there,
 so they are known without a GPU (the planning helpers and CPU tests use them), and every compiled
 module exports them again as `__device__ int abi_NAME` (common.cuh's NQ_EXPORT_INT), which
 `check_compiled` compares at engine start: the host never restates a kernel's number.
@@ -17,13 +17,17 @@ from ..quant import TILE_ROWS as HOST_TILE_ROWS
 from .build import kernel_dir, module_int
 
 _DEFINITION = re.compile(r"^\s*(?:#define\s+(\w+)\s+(\w+)|constexpr\s+int\s+(\w+)\s*=\s*(\w+)\s*;)", re.M)
+_INCLUDE = re.compile(r'^#include "([\w.]+)"', re.M)
 
 
 @cache
 def _definitions(file: str) -> dict[str, str]:
-    """NAME -> the token it is defined as, in `file` (common.cuh's names included)."""
-    found = {} if file == "common.cuh" else dict(_definitions("common.cuh"))
-    for match in _DEFINITION.finditer((kernel_dir() / file).read_text()):
+    """NAME -> the token it is defined as, in `file` and the kernel files it includes."""
+    text = (kernel_dir() / file).read_text()
+    found = {}
+    for included in _INCLUDE.findall(text):
+        found.update(_definitions(included))
+    for match in _DEFINITION.finditer(text):
         name, value = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
         found[name] = value
     return found
@@ -50,6 +54,8 @@ SOURCES = {
     "RMS_CLUSTER": "rmsnorm.cu", "LM_THREADS": "lm_head.cu",
     "ARGMAX_THREADS": "sampler.cu", "TOP_K_MAX": "sampler.cu",
     "VERIFY_ROWS": "verify.cu", "NARROW_ROWS": "verify.cu",
+    "PERSIST_THREADS": "decode_persistent.cu", "OPS_PER_LAYER": "decode_persistent.cu",
+    "LAYER_POINTERS": "decode_persistent.cu",
 }
 
 
@@ -74,6 +80,9 @@ ARGMAX_THREADS = _source("ARGMAX_THREADS")
 TOP_K_MAX = _source("TOP_K_MAX")  # the largest top-k the device sampler applies
 VERIFY_ROWS = _source("VERIFY_ROWS")  # the most rows of a verify pass
 NARROW_ROWS = _source("NARROW_ROWS")  # the most rows of the narrow verify GEMVs
+PERSIST_THREADS = _source("PERSIST_THREADS")  # a block of the persistent decode kernel
+OPS_PER_LAYER = _source("OPS_PER_LAYER")  # its counters per layer
+LAYER_POINTERS = _source("LAYER_POINTERS")  # columns of its layer table
 
 if TILE_ROWS != HOST_TILE_ROWS:
     raise ImportError(f"kernels/gemv_int4.cu tiles {TILE_ROWS} rows, nanoqwen/quant.py {HOST_TILE_ROWS}")

@@ -43,6 +43,7 @@ from . import abi, build
 from .attention import check_config
 from .device import fit_gemv_rings, set_carveout
 from .launch import StepKernel
+from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
 from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
@@ -70,7 +71,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
-                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto"):
+                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto", persistent: bool = True):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
@@ -83,6 +84,10 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         (nanoqwen.cuda.launch), so each kernel may start while the one before it finishes; it
         changes nothing in eager launches, and falls back to plain launches, with a warning, where
         cuda.bindings is missing (`decode_graph().pdl` says which ran).
+
+        With `persistent` (the default) a decode step runs every layer in one kernel launch
+        (nanoqwen.cuda.persistent), where the backend can: fp16 activations and the paged attention;
+        `self.persistent` says which form decodes, and may be switched (the bits are the same).
 
         Prefill multiplies whole prompts with cuBLAS from fp16 matrices. `prefill_weights` says
         where they come from: "expand" dequantizes each projection into one scratch buffer every
@@ -127,7 +132,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
                 *(f"{name}_{width}" for name in VERIFY_GEMVS for width in VERIFY_WIDTHS), "lm_head_logits_rows",
-                "verify_select",
+                "verify_select", PERSISTENT_KERNEL,
             )
         }
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
@@ -153,6 +158,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
             self.int8_layers = [self._int8_projections(i) for i in range(c.num_layers)] if activations == "int8" else None
         self.attention = (attention_factory or _default_attention())(c, self.num_pages, self.max_seq_len)
         self._reserve_verify_rows()
+        self._persistent_layers = PersistentLayers(self, module) if persistent_refusal(self) is None else None
         self._weight_scratch = None  # fp16 expansion of one projection, made at the first prefill
         self._prefill_scratch = None  # prefill's activations, allocated at the first prefill (Prefill)
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
@@ -160,6 +166,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self._graph = None  # captured at the first graph decode
         self.rope_in_qkv = activations == "fp16"
         self.pdl = pdl
+        self.persistent = persistent and self._persistent_layers is not None
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
         self._pending = None  # the page table of the step in flight
         self.host_draws = 0  # decode_next's steps whose token the host drew from the logits

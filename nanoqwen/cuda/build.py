@@ -24,7 +24,8 @@ from pathlib import Path
 from ..config import PAGE_SIZE, ModelConfig
 
 # The decoder layer's kernels (everything but attention), in the order they are included.
-DECODER_KERNEL_FILES = ("rmsnorm.cu", "gemv_int4.cu", "elementwise.cu", "lm_head.cu", "sampler.cu", "verify.cu")
+DECODER_KERNEL_FILES = ("rmsnorm.cu", "gemv_int4.cu", "elementwise.cu", "lm_head.cu", "sampler.cu", "verify.cu",
+                        "decode_persistent.cu")
 NVCC_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 

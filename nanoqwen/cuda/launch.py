@@ -56,7 +56,7 @@ KERNELS_THAT_WAIT = frozenset({
     "gemv_int4_from_hidden", "gemv_int4_qkv_rope", "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
     "paged_attention_decode", "paged_attention_combine", "paged_attention_prefill",
     *(f"{gemv}_{width}" for gemv in VERIFY_GEMVS for width in VERIFY_WIDTHS),
-    "lm_head_logits_rows", "verify_select",
+    "lm_head_logits_rows", "verify_select", "decode_layers_persistent",
     *(f"{kind}_{width}" for kind in ("quantize_activations_int8", "gemv_int4_int8")
       for width in ("hidden", "q_dim", "intermediate")),
 })

@@ -165,6 +165,8 @@ class DecodeStep:
     def launches_per_token(self) -> int:
         """Kernel launches of one decode step, counting each attention.decode call as the
         number of launches it reports (`launches_per_decode`, default 1)."""
+        if self.persistent:
+            return 4  # embed_tokens, decode_layers_persistent, lm_head_logits, argmax_select_next
         attention = getattr(self.attention, "launches_per_decode", 1)
         # Path B: norm, q|k|v (+ RoPE unless rope_in_qkv is off), o, norm, gate+up, down; Path A
         # adds a quantize launch per projection and SwiGLU apart
@@ -181,6 +183,21 @@ class DecodeStep:
         k = self.kernels
         with stream:
             k["embed_tokens"]((1,), (self.threads["embed_tokens"],), (self.token, self.embed, self.residual))
+            if self.persistent:
+                self._persistent_layers.launch()  # every layer and the final norm
+            else:
+                self._layer_launches(stream)
+            self._lm_head(choose=True)
+            k["argmax_select_next"](
+                (1,), (ARGMAX_THREADS,),
+                (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
+                 self.head_slots_address, np.int32(HEAD_SLOTS), self.logits, self.sampler, self.handed_back),
+            )
+        return self.launches_per_token
+
+    def _layer_launches(self, stream) -> None:
+        """The layers and the final norm, a kernel per operation: residual (the embedding) in, normed out."""
+        with stream:
             down = None  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
                 self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
@@ -197,13 +214,6 @@ class DecodeStep:
                 self._project(i, "down", self.mlp_hidden, self.down_out)
                 down = self.down_out
             self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
-            self._lm_head(choose=True)
-            k["argmax_select_next"](
-                (1,), (ARGMAX_THREADS,),
-                (self.candidate_values, self.candidate_indices, np.int32(self.lm_head_blocks), self.state,
-                 self.head_slots_address, np.int32(HEAD_SLOTS), self.logits, self.sampler, self.handed_back),
-            )
-        return self.launches_per_token
 
     def decode_graph(self):
         """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda.graph)."""
@@ -215,6 +225,12 @@ class DecodeStep:
 
     pdl = GraphOption(
         "Whether the decode graph is to be captured with programmatic dependent launches.")
+
+    persistent = GraphOption(
+        "Whether a decode step runs its layers in one persistent kernel (nanoqwen.cuda.persistent) instead of a "
+        "kernel per operation; both compute the same bits.",
+        allowed=lambda backend, enabled: not enabled or backend._persistent_layers is not None,
+        refusal="this backend cannot decode with the persistent kernel (INT8 activations, or a substitute attention)")
 
     rope_in_qkv = GraphOption(
         "Whether decode's q|k|v GEMV rotates its rows and writes the cache itself (gemv_int4_qkv_rope, "
