@@ -314,8 +314,11 @@ struct GemvStream {
   __device__ __forceinline__ int range_begin(int pair) const { return pair % splits * GROUPS / splits; }
   __device__ __forceinline__ int range_end(int pair) const { return (pair % splits + 1) * GROUPS / splits; }
 
+  // The fetch moves on to `pair`, or the first pair after it that has groups (a split may have none
+  // where K has fewer groups than splits, as gate+up at hidden 128 does).
   template <typename RowsOf>
   __device__ __forceinline__ void enter_fetch(int pair, RowsOf rows_of) {
+    while (pair < end && range_end(pair) == range_begin(pair)) pair += PERSIST_WARPS;
     fetch_pair = pair;
     if (pair >= end) return;
     fetch_group = range_begin(pair), fetch_end = range_end(pair);
@@ -355,38 +358,36 @@ struct GemvStream {
     if (++fetch_group == fetch_end) enter_fetch(fetch_pair + PERSIST_WARPS, rows_of);
   }
 
-  // Multiply every group in order, finishing each pair as its last group is in.
+  // Multiply every group in order, and finish each pair after its last group (a pair without
+  // groups at once, with zero sums).
   template <typename RowsOf, typename Finish>
   __device__ __forceinline__ void run(int first, const uint4* x, RowsOf rows_of, Finish finish) {
     const int lane = threadIdx.x % WARP_SIZE, t = lane % 4;
-    int pair = first, group = 0, group_end = 0, rows[TILES][2];
-    if (pair < end) group = range_begin(pair), group_end = range_end(pair), rows_of(pair / splits, rows);
-    float acc[TILES][2] = {};
-    for (int i = 0; i < total; ++i) {
-      fetch(rows_of);
-      copy_async_commit();
-      copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed (each lane reads only its own)
-      const GemvSlot<TILES>& slot = ring[i % STAGES];
-      uint4 xv[4];
+    int i = 0;  // groups multiplied so far: group i sits in ring slot i % STAGES
+    for (int pair = first; pair < end; pair += PERSIST_WARPS) {
+      int rows[TILES][2];
+      rows_of(pair / splits, rows);
+      float acc[TILES][2] = {};
+      for (int group = range_begin(pair); group < range_end(pair); ++group, ++i) {
+        fetch(rows_of);
+        copy_async_commit();
+        copy_async_wait<STAGES - 1>();  // this lane's copies of group i have landed (each lane reads only its own)
+        const GemvSlot<TILES>& slot = ring[i % STAGES];
+        uint4 xv[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) xv[j] = x[group * X_PIECES_PER_GROUP + 4 * t + j];
+        for (int j = 0; j < 4; ++j) xv[j] = x[group * X_PIECES_PER_GROUP + 4 * t + j];
 #pragma unroll
-      for (int m = 0; m < TILES; ++m) {
-        float d[4] = {};
-        group_mma(slot.weights[m][0][lane], slot.weights[m][1][lane], xv, d);
-        const unsigned int word0 = slot.scales[m][0][lane], word1 = slot.scales[m][1][lane];
-        const unsigned short scale0 = (rows[m][0] * GROUPS + group) & 1 ? word0 >> 16 : word0 & 0xffffu;
-        const unsigned short scale1 = (rows[m][1] * GROUPS + group) & 1 ? word1 >> 16 : word1 & 0xffffu;
-        acc[m][0] = fmaf(half_to_float(scale0), d[0], acc[m][0]);
-        acc[m][1] = fmaf(half_to_float(scale1), d[2], acc[m][1]);
+        for (int m = 0; m < TILES; ++m) {
+          float d[4] = {};
+          group_mma(slot.weights[m][0][lane], slot.weights[m][1][lane], xv, d);
+          const unsigned int word0 = slot.scales[m][0][lane], word1 = slot.scales[m][1][lane];
+          const unsigned short scale0 = (rows[m][0] * GROUPS + group) & 1 ? word0 >> 16 : word0 & 0xffffu;
+          const unsigned short scale1 = (rows[m][1] * GROUPS + group) & 1 ? word1 >> 16 : word1 & 0xffffu;
+          acc[m][0] = fmaf(half_to_float(scale0), d[0], acc[m][0]);
+          acc[m][1] = fmaf(half_to_float(scale1), d[2], acc[m][1]);
+        }
       }
-      if (++group == group_end) {
-        finish(pair / splits, pair % splits, acc);
-#pragma unroll
-        for (int m = 0; m < TILES; ++m) acc[m][0] = acc[m][1] = 0.0f;
-        pair += PERSIST_WARPS;
-        if (pair < end) group = range_begin(pair), group_end = range_end(pair), rows_of(pair / splits, rows);
-      }
+      finish(pair / splits, pair % splits, acc);
     }
   }
 
