@@ -177,6 +177,26 @@ __device__ __forceinline__ unsigned long long global_time_ns() {
   return now;
 }
 
+#ifdef NQ_TRACE
+// tools/step_timeline.py: thread 0 of every block records, for each operation of each layer it
+// takes part in, when it began (its first weights requested), when its wait returned and when it
+// finished (%globaltimer, ns); 0 where the block had no part in the operation.
+__device__ unsigned long long* nq_persistent_trace;  // [blocks][layers][OPS_PER_LAYER][TRACE_MOMENTS], or null
+#endif
+constexpr int TRACE_BEGUN = 0;
+constexpr int TRACE_WAITED = 1;
+constexpr int TRACE_DONE = 2;
+constexpr int TRACE_MOMENTS = 3;
+NQ_EXPORT_INT(TRACE_MOMENTS)
+
+__device__ __forceinline__ void trace_moment(int num_layers, int layer, int op, int moment) {
+#ifdef NQ_TRACE
+  if (threadIdx.x == 0 && nq_persistent_trace != nullptr)
+    nq_persistent_trace[((blockIdx.x * num_layers + layer) * OPS_PER_LAYER + op) * TRACE_MOMENTS + moment] =
+        global_time_ns();
+#endif
+}
+
 // The whole block waits until *counter >= target. Thread 0 spins with acquire loads; the barrier
 // then orders every thread's reads after the writes that the counter's releases published.
 __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned target) {
@@ -418,22 +438,25 @@ struct GemvStream {
 // before the wait for `counter` to reach `target` (no wait with a null counter), then prepare_x()
 // (every thread: the input vector into sh.x), then every pair. The ring and sh.x are free again
 // when it returns.
-template <int K, int TILES, int STAGES, typename RowsOf, typename Prepare, typename Finish>
+template <int K, int TILES, int STAGES, typename RowsOf, typename Prepare, typename Finish, typename Trace>
 __device__ __forceinline__ void gemv_operation(const unsigned int* qweight, const unsigned short* scales, int tiles,
                                                int splits, const unsigned* counter, unsigned target,
                                                GemvSlot<TILES>* warp_ring, PersistentShared& sh, RowsOf rows_of,
-                                               Prepare prepare_x, Finish finish) {
+                                               Prepare prepare_x, Finish finish, Trace trace) {
   const Share share = block_share(tiles * splits);
   if (share.begin == share.end) return;
+  trace(TRACE_BEGUN);
   const int first = share.begin + threadIdx.x / WARP_SIZE;
   GemvStream<K, TILES, STAGES> stream{qweight, scales, warp_ring, splits, share.end};
   stream.start(first, rows_of);
   if (counter != nullptr) wait_count(counter, target);
+  trace(TRACE_WAITED);
   prepare_x();
   __syncthreads();
   stream.run(first, sh.x, rows_of, finish);
   copy_async_wait<0>();  // the ring's last commit groups are empty; nothing lands after this
   __syncthreads();
+  trace(TRACE_DONE);
 }
 
 // The L2 prefetch of a GEMV operation's pairs that this block will take (see GemvStream::prefetch).
@@ -585,6 +608,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     const auto weights = [&](int column) { return layer_pointer<unsigned int>(layer_table, layer, column); };
     const auto halves = [&](int column) { return layer_pointer<unsigned short>(layer_table, layer, column); };
     unsigned* layer_done = done + layer * OPS_PER_LAYER;
+    const auto tracer = [&](int op) { return [=](int moment) { trace_moment(num_layers, layer, op, moment); }; };
 
     // ---- norm -> q|k|v + RoPE: q, and K, V into the cache at the step's position
     gemv_operation<NQ_HIDDEN, 1, SPLIT_STAGES>(
@@ -612,7 +636,8 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
                           position % NQ_PAGE_SIZE, layer_pointer<unsigned short>(layer_table, layer, LAYER_KV), q);
           }
           warp_signal(layer_done + OP_QKV);
-        });
+        },
+        tracer(OP_QKV));
 
     // ---- attention: units (split, KV head) over the active splits, a quad of warps each; the
     // gate+up weights this block will multiply are asked of L2 meanwhile
@@ -622,7 +647,9 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
       const int active_splits = step_value(sh.step.active_splits);
       const Share share = block_share(active_splits * PA_KVH);
       if (share.begin < share.end) {
+        trace_moment(num_layers, layer, OP_ATTENTION, TRACE_BEGUN);
         wait_count(layer_done + OP_QKV, QKV_TILES);
+        trace_moment(num_layers, layer, OP_ATTENTION, TRACE_WAITED);
         const int quad = threadIdx.x / DECODE_CONSUMER_THREADS;
         if (quad < ATTENTION_QUADS) {
           for (int unit = share.begin + quad; unit < share.end; unit += ATTENTION_QUADS) {
@@ -634,6 +661,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
           }
         }
         __syncthreads();
+        trace_moment(num_layers, layer, OP_ATTENTION, TRACE_DONE);
       }
     }
 
@@ -642,7 +670,9 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
       const Share share = block_share(NQ_NUM_HEADS);
       if (share.begin < share.end) {
         const int active_splits = step_value(sh.step.active_splits);
+        trace_moment(num_layers, layer, OP_COMBINE, TRACE_BEGUN);
         wait_count(layer_done + OP_ATTENTION, active_splits * PA_KVH);
+        trace_moment(num_layers, layer, OP_COMBINE, TRACE_WAITED);
         const int group = threadIdx.x / (COMBINE_WARPS * WARP_SIZE);  // the warps past the last group wait
         for (int head = share.begin + group; group < COMBINE_GROUPS && head < share.end; head += COMBINE_GROUPS) {
           combine_head(head % PA_GQA, head / PA_GQA, threadIdx.x / WARP_SIZE % COMBINE_WARPS, threadIdx.x % WARP_SIZE,
@@ -653,6 +683,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
           if (threadIdx.x % (COMBINE_WARPS * WARP_SIZE) == 0) add_release(layer_done + OP_COMBINE);
         }
         __syncthreads();
+        trace_moment(num_layers, layer, OP_COMBINE, TRACE_DONE);
       }
     }
 
@@ -668,7 +699,8 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
           if (lane < TILE_ROWS && row < NQ_HIDDEN)
             residual[row] = __ldcg(residual + row) + split_total<1>(split_partials, tile, o_splits, 0, lane, 0.0f);
           warp_signal(layer_done + OP_O);
-        });
+        },
+        tracer(OP_O));
 
     // ---- norm -> gate+up -> SwiGLU into mlp_hidden
     gemv_operation<NQ_HIDDEN, 2, PAIR_STAGES>(
@@ -684,7 +716,8 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
             mlp_hidden[row] = float_to_half(silu_times(gate, up));
           }
           warp_signal(layer_done + OP_GATE_UP);
-        });
+        },
+        tracer(OP_GATE_UP));
 
     // ---- down: residual += down mlp_hidden; the next layer's chain weights are asked of L2 meanwhile
     if (layer + 1 < num_layers && prefetch_eighths > 0) {
@@ -702,7 +735,8 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
           if (lane < TILE_ROWS && row < NQ_HIDDEN)
             residual[row] = __ldcg(residual + row) + split_total<1>(split_partials, tile, down_splits, 0, lane, 0.0f);
           warp_signal(layer_done + OP_DOWN);
-        });
+        },
+        tracer(OP_DOWN));
   }
 
   // ---- the final norm, by block 0, once the last layer's down is in; then every counter back to zero

@@ -122,3 +122,33 @@ def test_step_launch_names_records_in_order_and_restores_the_kernels():
     assert step_launch_names(backend) == [*layer, *layer, "lm_head_logits"]
     assert all(kernel is _never for kernel in backend.kernels.values())
     assert backend.attention._decode is _never and backend.attention._combine is _never
+
+
+def test_the_persistent_kernels_operations_add_up_to_its_layers():
+    """Made-up traces of the persistent kernel: each operation's blocks begin, wait and finish at
+    known times; the shares are the gaps between the operations' last finishes, the hand-offs the
+    gaps to their first returned wait."""
+    config = QWEN25_CODER_7B
+    blocks, ops, steps = 6, len(step_timeline.OPERATIONS), 2
+    rng = np.random.default_rng(5)
+    records = np.zeros((steps, blocks, config.num_layers, ops, 3), dtype=np.int64)
+    clock = 1_000
+    for step in range(steps):
+        for layer in range(config.num_layers):
+            for op in range(ops):
+                part = rng.random(blocks) < 0.7
+                part[0] = True  # every operation has a block
+                handoff, work = rng.integers(500, 1_500), rng.integers(1_000, 9_000)
+                records[step, part, layer, op, 0] = clock - 400
+                records[step, part, layer, op, 1] = clock + handoff + rng.integers(0, 300, part.sum())
+                records[step, part, layer, op, 2] = clock + handoff + work - rng.integers(0, 300, part.sum())
+                records[step, 0, layer, op, 1] = clock + handoff  # block 0's wait returned first
+                records[step, 0, layer, op, 2] = clock + handoff + work  # and it finished last
+                clock += handoff + work
+    summary = step_timeline.summarize_persistent(config, records)
+    assert [r["operation"] for r in summary["operations"]] == list(step_timeline.OPERATIONS)
+    first_begun = records[:, 0, 0, 0, 0]  # every block that takes part begins at once
+    last_done = records[:, :, -1, -1, 2].max(axis=1)
+    assert summary["layers_us"] == pytest.approx(np.mean(last_done - first_begun) / 1e3)
+    assert sum(r["share_us_per_step"] for r in summary["operations"]) == pytest.approx(summary["layers_us"])
+    assert all(0.5 <= r["handoff_us_per_layer"] <= 1.5 for r in summary["operations"][1:])

@@ -4,12 +4,14 @@
 
 Each size is a random-weight file of the published shapes (`nanoqwen.random_model` presets),
 run through `Engine.generate` as `nanoqwen bench` runs it: a 512-token prompt, then 128 greedy
-tokens, the median of `REPEATS` runs. The floor is the bytes one step must read at the run's
-mean context over the H200's read bandwidth (`nanoqwen.byte_floor`). Peak GPU memory is the
-device memory CuPy's pool holds after the runs: the engine allocates everything at start, and the
-pool keeps what prefill took. Writes OUT.json
-(`{"rows": [{"model", "context", "ms_per_token", "floor_ms", "share_of_floor", "peak_gpu_bytes",
-"prefill_weights", "time_to_first_token_ms"}, ...]}` with date, GPU, commit, command) and OUT.md.
+tokens, the median of `REPEATS` runs, once with the engine's decode step (the persistent kernel,
+nanoqwen.cuda.persistent) and once with a kernel per operation (`CudaBackend.persistent` off). The
+floor is the bytes one step must read at the run's mean context over the read bandwidth measured
+at the start of the run (`nanoqwen.cuda.timing.read_bandwidth`). Peak GPU memory is the device
+memory CuPy's pool holds after the runs: the engine allocates everything at start, and the pool
+keeps what prefill took. Writes OUT.json (`{"rows": [{"model", "context", "ms_per_token",
+"ms_per_token_per_operation", "floor_ms", "share_of_floor", "peak_gpu_bytes", "prefill_weights",
+"time_to_first_token_ms"}, ...]}` with date, GPU, commit, command and read bandwidth) and OUT.md.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
 LONG_CONTEXTS = [4096, 16384]  # the 7B, prompt of this many tokens less NEW_TOKENS
 
 
-def measure(model_path: Path, prompt_tokens: int) -> dict:
+def measure(model_path: Path, prompt_tokens: int, bandwidth: float) -> dict:
     import cupy as cp
     import numpy as np
 
@@ -39,13 +41,17 @@ def measure(model_path: Path, prompt_tokens: int) -> dict:
     engine = Engine(model_path, backend="cuda", max_context=prompt_tokens + NEW_TOKENS)
     try:
         ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
-        engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
-        runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
-        cp.cuda.Device().synchronize()
-        ms = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
-        floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2)
-        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms, floor_ms=floor, share_of_floor=floor / ms,
-                    peak_gpu_bytes=int(pool.total_bytes()), prefill_weights=engine.backend.prefill_weights,
+        ms, runs = {}, None
+        for persistent in (False, True):  # the engine's default last: its runs give the prefill times
+            engine.backend.persistent = persistent
+            engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
+            runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
+            cp.cuda.Device().synchronize()
+            ms[persistent] = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
+        floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2, bandwidth)
+        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms[True], ms_per_token_per_operation=ms[False],
+                    floor_ms=floor, share_of_floor=floor / ms[True], peak_gpu_bytes=int(pool.total_bytes()),
+                    prefill_weights=engine.backend.prefill_weights,
                     time_to_first_token_ms=statistics.median(r.prefill_seconds for r in runs) * 1e3)
     finally:
         engine.close()
@@ -59,13 +65,16 @@ def markdown(record: dict) -> str:
              f"- command: `{record['command']}`",
              f"- protocol: random weights of the published shapes, a {PROMPT_TOKENS}-token prompt (or the context "
              f"given), {NEW_TOKENS} greedy tokens, median of {REPEATS}; floor: the step's bytes at the mean context "
-             "over 4.49 TB/s", "",
-             "| model | context | decode ms/token | floor ms | share of floor | time to first token | peak GPU memory | prefill weights |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"over the read bandwidth measured in the run, {record['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", "",
+             "| model | context | decode ms/token | floor ms | share of floor | a kernel per operation | "
+             "time to first token | peak GPU memory | prefill weights |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in record["rows"]:
         lines.append(f"| {r['model']} | {r['context']} | {r['ms_per_token']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{100 * r['share_of_floor']:.1f}% | {r['time_to_first_token_ms']:.1f} ms | "
-                     f"{r['peak_gpu_bytes'] / 2**30:.1f} GiB | {r['prefill_weights']} |")
+                     f"{100 * r['share_of_floor']:.1f}% | {r['ms_per_token_per_operation']:.3f} ms "
+                     f"({100 * r['floor_ms'] / r['ms_per_token_per_operation']:.1f}%) | "
+                     f"{r['time_to_first_token_ms']:.1f} ms | {r['peak_gpu_bytes'] / 2**30:.1f} GiB | "
+                     f"{r['prefill_weights']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -76,8 +85,11 @@ def main() -> int:
     parser.add_argument("--long-contexts", nargs="*", type=int, default=LONG_CONTEXTS)
     args = parser.parse_args()
 
+    from nanoqwen.cuda.timing import read_bandwidth
     from nanoqwen.random_model import PRESETS, write_random_model
 
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     scratch = Path(tempfile.mkdtemp())
     plan = [(size, PROMPT_TOKENS) for size in args.sizes] + [("7b", c - NEW_TOKENS) for c in args.long_contexts]
     rows = []
@@ -87,12 +99,14 @@ def main() -> int:
             for old in scratch.glob("*.nanoqwen"):
                 old.unlink()  # one model on disk at a time: the 32B alone is 19 GB
             write_random_model(model, PRESETS[f"qwen2.5-coder-{size}"])
-        rows.append(dict(model=size, **measure(model, prompt_tokens)))
+        rows.append(dict(model=size, **measure(model, prompt_tokens, bandwidth)))
         r = rows[-1]
         print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
-              f"({100 * r['share_of_floor']:.1f}%), peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
+              f"({100 * r['share_of_floor']:.1f}%), a kernel per operation {r['ms_per_token_per_operation']:.3f}, "
+              f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
     record = {
-        **record_header("python3 tools/decode_by_size.py --out results/decode-by-size-h200"),
+        **record_header(f"python3 tools/decode_by_size.py --out {args.out}"),
+        "read_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
     }
     write_record(args.out, record, markdown(record))

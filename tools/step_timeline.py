@@ -16,6 +16,13 @@ attention's barriers) could overlap.
 
 The records cost each kernel two atomics and two stores in one thread, about 0.3 µs per launch
 on an H200: compare the traced step printed here with `nanoqwen bench`'s graph step.
+
+That is the step with a kernel per operation. The persistent kernel (kernels/decode_persistent.cu),
+one launch for every layer, records inside itself instead: thread 0 of every block, for each
+operation of each layer it takes part in, when it began (its first weights requested), when its
+wait returned and when it finished. An operation's share of the step runs from the last block's
+finish of the operation before it to its own last block's finish; its hand-off is from that first
+moment to the first block whose wait returned.
 """
 
 from __future__ import annotations
@@ -140,6 +147,82 @@ def summarize(config, names: list[str], start, released, step_ns) -> dict:
             "clock_smallest_nonzero_step_ns": int(clock[clock > 0].min()) if (clock > 0).any() else None}
 
 
+# kernels/decode_persistent.cu's operations (OP_*), in the order its blocks walk them, and the kernel
+# of the step with a kernel per operation that reads the same bytes (nanoqwen.byte_floor.kernel_bytes).
+OPERATIONS = {"q|k|v + RoPE": QKV_ROPE_KERNEL, "attention": "attention_decode", "combine": None,
+              "o": GEMV_KERNELS["o"], "gate+up + SwiGLU": "gemv_int4_gate_up_silu", "down": GEMV_KERNELS["down"]}
+
+
+def record_persistent_steps(backend, page_table, modules, steps: int):
+    """The persistent kernel's trace of `steps` decode steps from the prompt's end: ns [steps, blocks,
+    layers, operations, moments (began, waited, done)], 0 where a block took no part."""
+    import cupy as cp
+
+    from nanoqwen.cuda.abi import OPS_PER_LAYER, kernel_int
+
+    layers = backend._persistent_layers
+    moments = kernel_int("decode_persistent.cu", "TRACE_MOMENTS")
+    trace = cp.zeros((layers.blocks, backend.config.num_layers, OPS_PER_LAYER, moments), dtype=cp.uint64)
+    for module in modules:
+        try:
+            cp.ndarray((1,), cp.uint64, memptr=module.get_global("nq_persistent_trace"))[...] = trace.data.ptr
+        except Exception:  # a module without the persistent kernel (attention's)
+            continue
+    backend.persistent = True
+    graph = backend.decode_graph()
+    backend.set_step_inputs(1, PROMPT_TOKENS, page_table)
+    records = []
+    for _ in range(steps):
+        trace.fill(0)
+        graph.launch()
+        backend.stream.synchronize()
+        records.append(trace.get().astype(np.int64))
+    return np.stack(records)
+
+
+def summarize_persistent(config, records) -> dict:
+    """Per operation: its share of the step and its hand-off (see the module's docstring), in µs, the
+    mean over steps of their sums over layers, and the blocks taking part."""
+    names = list(OPERATIONS)
+    share = defaultdict(list)
+    handoff = defaultdict(list)
+    blocks = defaultdict(list)
+    layer_0 = defaultdict(list)
+    for step in records:  # [blocks, layers, operations, moments]
+        took_part = step[..., 0] > 0
+        previous = step[..., 0][took_part].min()  # the step's first operation began
+        sums, handoffs = defaultdict(float), defaultdict(float)
+        for layer in range(config.num_layers):
+            for op, name in enumerate(names):
+                part = took_part[:, layer, op]
+                if not part.any():
+                    continue
+                done = step[part, layer, op, 2].max()
+                waited = step[part, layer, op, 1].min()
+                sums[name] += (done - previous) / 1e3
+                handoffs[name] += (waited - previous) / 1e3
+                if layer == 0:
+                    layer_0[name].append((done - previous) / 1e3)
+                blocks[name].append(int(part.sum()))
+                previous = done
+        for name in sums:
+            share[name].append(sums[name])
+            handoff[name].append(handoffs[name])
+    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1)
+    rows = []
+    for name in names:
+        if not share[name]:
+            continue
+        kernel = OPERATIONS[name]
+        rows.append({"operation": name, "share_us_per_step": statistics.fmean(share[name]),
+                     "share_us_per_layer": statistics.fmean(share[name]) / config.num_layers,
+                     "handoff_us_per_layer": statistics.fmean(handoff[name]) / config.num_layers,
+                     "floor_us_per_layer": floor_bytes[kernel] / config.num_layers / READ_BANDWIDTH * 1e6 if kernel else None,
+                     "blocks_taking_part": statistics.median(blocks[name])})
+    return {"operations": rows, "layer_0_us": {name: statistics.fmean(v) for name, v in layer_0.items()},
+            "layers_us": float(statistics.fmean(sum(r) for r in zip(*share.values())))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
@@ -152,6 +235,8 @@ def main(argv=None) -> int:
     model = load(args.model)
     backend, page_table, modules = traced_backend(model)
     backend.pdl = not args.without_pdl
+    persistent = backend.persistent
+    backend.persistent = False  # first the step with a kernel per operation
     names = step_launch_names(backend)
     start, released, step_ns = record_steps(backend, page_table, modules, len(names), args.steps)
     summary = summarize(model.config, names, start, released, step_ns)
@@ -165,6 +250,15 @@ def main(argv=None) -> int:
         print(f"{r['label']:22s} {r['launches_per_step']:8d} {r['share_us_per_step']:8.1f} {r['share_us_per_launch']:9.2f} "
               f"{floor:>12s} {r['head_start_us_per_launch']:10.2f}")
     print("layer 0, in order:", ", ".join(f"{r['label']} {r['share_us']:.2f}" for r in summary["layer_0"]))
+    if persistent:
+        inside = summarize_persistent(model.config, record_persistent_steps(backend, page_table, modules, args.steps))
+        summary["persistent"] = inside
+        print(f"persistent kernel: the layers take {inside['layers_us']:.1f} us (mean of {args.steps} steps)")
+        print(f"{'operation':18s} {'us/step':>8s} {'us/layer':>9s} {'floor/layer':>11s} {'hand-off':>9s} {'blocks':>6s}")
+        for r in inside["operations"]:
+            floor = "" if r["floor_us_per_layer"] is None else f"{r['floor_us_per_layer']:.2f}"
+            print(f"{r['operation']:18s} {r['share_us_per_step']:8.1f} {r['share_us_per_layer']:9.2f} {floor:>11s} "
+                  f"{r['handoff_us_per_layer']:9.2f} {r['blocks_taking_part']:6.0f}")
     if args.json:
         record = step_timing_record("tools/step_timeline.py", argv or sys.argv[1:], [])
         record.pop("rows", None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+import numpy as np
+
 
 def gpu_times_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1,
                  prepare: Callable[[], object] | None = None) -> list[float]:
@@ -40,3 +42,34 @@ def gpu_ms(stream, issue: Callable[[], object], repeats: int, warmup: int = 1,
            prepare: Callable[[], object] | None = None) -> float:
     """The median of `gpu_times_ms`."""
     return statistics.median(gpu_times_ms(stream, issue, repeats, warmup, prepare))
+
+
+# A read-only stream: every thread reads 16-byte pieces a grid apart and keeps their xor, so the
+# loads cannot be dropped; one word per thread is written, which is nothing beside the reads.
+_READ_STREAM = r"""
+extern "C" __global__ void read_stream(const uint4* __restrict__ data, long long pieces, unsigned* out) {
+  unsigned acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pieces; i += (long long)gridDim.x * blockDim.x) {
+    const uint4 v = __ldg(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+"""
+READ_STREAM_BYTES = 2 << 30  # far past any L2, so every byte comes from device memory
+
+
+def read_bandwidth(repeats: int = 10) -> float:
+    """The device's read bandwidth in bytes/s, as a decode step reads its weights: a 2 GiB buffer of
+    random bytes streamed once per repeat with 16-byte loads (median). The byte floors of the GPU
+    records divide by it."""
+    import cupy as cp
+
+    kernel = cp.RawKernel(_READ_STREAM, "read_stream")
+    data = cp.random.randint(0, 2**31, READ_STREAM_BYTES // 4, dtype=cp.int32)
+    blocks, threads = cp.cuda.Device().attributes["MultiProcessorCount"] * 8, 256
+    out = cp.empty(blocks * threads, dtype=cp.uint32)
+    stream = cp.cuda.get_current_stream()
+    pieces = np.int64(READ_STREAM_BYTES // 16)
+    ms = gpu_ms(stream, lambda: kernel((blocks,), (threads,), (data, pieces, out)), repeats, warmup=2)
+    return READ_STREAM_BYTES / (ms / 1e3)
