@@ -5,7 +5,8 @@
 #                                      transformers baseline), the step's timeline, the attention kernels
 #   bash tools/gpu_session.sh records  compute-sanitizer over a whole generation, the kernels one at a
 #                                      time, the check against transformers at every size
-#   bash tools/gpu_session.sh sizes    the decode speed at every size
+#   bash tools/gpu_session.sh sizes    the decode speed at every size, both decode forms
+#   bash tools/gpu_session.sh persistent  the persistent kernel's tests, then the step's timeline inside it
 #   bash tools/gpu_session.sh speculative  the verify pass's tests, then its costs and acceptance
 #   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
 #                                      nbval, jupytext and their dependencies: book/running.md)
@@ -14,8 +15,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NANOQWEN_REQUIRE_GPU=1  # absolute: ch
 OUT=${OUT:-/tmp/nanoqwen-out}
 mkdir -p "$OUT"
 MODEL_7B=/tmp/qwen2.5-coder-7b-random.nanoqwen
-GPU_TESTS="tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py tests/test_attention_cuda.py
-           tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py tests/test_verify_cuda.py"
+GPU_TESTS="tests/test_persistent_cuda.py tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py
+           tests/test_attention_cuda.py tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py
+           tests/test_verify_cuda.py"
+GPU=$(python3 -c "import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')" 2>/dev/null || echo gpu)
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --noconftest -o addopts="
 status=()
 step() {  # step NAME SECONDS COMMAND...
@@ -32,24 +35,30 @@ case "${1:-checks}" in
     # shellcheck disable=SC2086
     step "GPU tests" 260 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
-    step "bench 7B" 200 bash -c "python3 -m nanoqwen bench '$MODEL_7B' --baseline --json '$OUT/bench-7b-h200.json' \
-      | tee '$OUT/bench-7b-h200.txt'"
-    step "step timeline 7B" 120 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-h200.json"
+    step "bench 7B" 200 bash -c "python3 -m nanoqwen bench '$MODEL_7B' --baseline --json '$OUT/bench-7b-$GPU.json' \
+      | tee '$OUT/bench-7b-$GPU.txt'"
+    step "step timeline 7B" 120 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-$GPU.json"
     step "attention kernels" 200 python3 tools/gpu_check_attention.py
     ;;
   records)
-    step "sanitizers over a generation" 150 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-h200.json" \
+    step "sanitizers over a generation" 150 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-$GPU.json" \
       --logs "$OUT/sanitizer-logs"
-    step "kernels one at a time" 120 python3 tools/bench_kernels.py --out "$OUT/kernels-h200.md" --json "$OUT/kernels-h200.json"
-    step "check by size" 400 python3 tools/check_by_size.py --out "$OUT/check-by-size-h200" \
+    step "kernels one at a time" 120 python3 tools/bench_kernels.py --out "$OUT/kernels-$GPU.md" --json "$OUT/kernels-$GPU.json"
+    step "check by size" 400 python3 tools/check_by_size.py --out "$OUT/check-by-size-$GPU" \
       --presets qwen2.5-coder-14b qwen2.5-coder-32b qwen2.5-coder-7b qwen2.5-coder-0.5b qwen2.5-coder-1.5b qwen2.5-coder-3b
     ;;
   speculative)
     step "verify tests" 300 $PYTEST tests/test_verify_cuda.py -x
-    step "speculative record" 400 python3 tools/bench_speculative.py --out "$OUT/speculative-h200"
+    step "speculative record" 400 python3 tools/bench_speculative.py --out "$OUT/speculative-$GPU"
+    ;;
+  persistent)
+    # shellcheck disable=SC2086
+    step "persistent kernel tests" 240 $PYTEST tests/test_persistent_cuda.py tests/test_cuda_graph.py -x
+    step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
+    step "step timeline 7B" 150 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-$GPU.json"
     ;;
   sizes)
-    step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-h200"
+    step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-$GPU"
     ;;
   book)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
