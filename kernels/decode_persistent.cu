@@ -83,30 +83,34 @@ struct GemvSlot {
   unsigned int scales[TILES][2][WARP_SIZE];
 };
 
-// Attention: ATTENTION_QUADS units (split, KV head) at once, four consumer warps each, every warp
-// with KV_STAGES pages of K and V in flight and its query fragments in shared memory (in registers
-// they would leave too few for the rest). After its pages a quad's consumers merge through
-// warp_acc, which lies over the quad's page stages (they are no longer read by then).
-constexpr int ATTENTION_QUADS = 2;
-constexpr int KV_STAGES = 2;
-struct AttentionQuad {
-  unsigned short kv[DECODE_CONSUMER_WARPS][KV_STAGES][2][DECODE_SLICE];
-  SharedDecodeQuery query[DECODE_CONSUMER_WARPS];
-  float warp_max[DECODE_CONSUMER_WARPS][PA_GQA];
-  float warp_sum[DECODE_CONSUMER_WARPS][PA_GQA];
-};
-static_assert(sizeof(AttentionQuad::kv) >= sizeof(float) * DECODE_CONSUMER_WARPS * PA_GQA * PA_D,
-              "a quad's merge lies over its page stages");
-constexpr int COMBINE_GROUPS = PERSIST_WARPS / COMBINE_WARPS;  // heads merged at once
-static_assert(ATTENTION_QUADS * DECODE_CONSUMER_WARPS <= PERSIST_WARPS, "quads are the block's warps");
-
 // The norm plays add_rmsnorm_cluster's RMS_CLUSTER blocks of CLUSTER_THREADS threads.
 constexpr int NORM_VIRTUAL_WARPS = RMS_CLUSTER * CLUSTER_THREADS / WARP_SIZE;
 
 constexpr int X_HALVES = NQ_INTERMEDIATE > NQ_HIDDEN ? (NQ_INTERMEDIATE > NQ_Q_DIM ? NQ_INTERMEDIATE : NQ_Q_DIM)
                                                      : (NQ_HIDDEN > NQ_Q_DIM ? NQ_HIDDEN : NQ_Q_DIM);
 constexpr int SHARED_LIMIT = 227 * 1024;  // a Hopper block's dynamic shared memory
-constexpr int FIXED_BYTES = X_HALVES * 2 + NORM_VIRTUAL_WARPS * 4 + 64;
+constexpr int FIXED_BYTES = X_HALVES * 2 + NQ_HIDDEN * 4 + NORM_VIRTUAL_WARPS * 4 + 64;
+
+// Attention: ATTENTION_QUADS units (split, KV head) at once, four consumer warps each, every warp
+// with KV_STAGES pages of K and V in flight and its query fragments in shared memory (in registers
+// they would leave too few for the rest). After its pages a quad's consumers merge through
+// warp_acc, which lies over the quad's page stages (they are no longer read by then).
+constexpr int ATTENTION_QUADS = 2;
+template <int KV_STAGES>
+struct AttentionQuadOf {
+  unsigned short kv[DECODE_CONSUMER_WARPS][KV_STAGES][2][DECODE_SLICE];
+  SharedDecodeQuery query[DECODE_CONSUMER_WARPS];
+  float warp_max[DECODE_CONSUMER_WARPS][PA_GQA];
+  float warp_sum[DECODE_CONSUMER_WARPS][PA_GQA];
+};
+// Two pages in flight per consumer warp where they fit beside the largest input vector, else one.
+constexpr int KV_STAGES = ATTENTION_QUADS * sizeof(AttentionQuadOf<2>) <= SHARED_LIMIT - FIXED_BYTES ? 2 : 1;
+using AttentionQuad = AttentionQuadOf<KV_STAGES>;
+static_assert(sizeof(AttentionQuad::kv) >= sizeof(float) * DECODE_CONSUMER_WARPS * PA_GQA * PA_D,
+              "a quad's merge lies over its page stages");
+constexpr int COMBINE_GROUPS = PERSIST_WARPS / COMBINE_WARPS;  // heads merged at once
+static_assert(ATTENTION_QUADS * DECODE_CONSUMER_WARPS <= PERSIST_WARPS, "quads are the block's warps");
+
 constexpr int RING_BUDGET = (SHARED_LIMIT - FIXED_BYTES) / PERSIST_WARPS;  // bytes per warp
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
 // Groups in a warp's ring: 12 for the one-tile GEMVs, 6 for gate+up's two tiles (15 KB a warp), fewer
@@ -123,6 +127,7 @@ struct StepInputs {
 
 struct PersistentShared {
   uint4 x[X_HALVES / 8];  // the operation's input vector, fp16
+  float4 residual[RMS_VECTORS];  // the norm's row, read from L2 in one round trip
   float norm_sums[NORM_VIRTUAL_WARPS];
   StepInputs step;
   union {
@@ -211,11 +216,14 @@ __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned tar
   __syncthreads();
 }
 
-// A warp publishes what its lanes wrote, then counts one more on *counter.
+// A warp publishes what its lanes wrote, then counts one more on *counter: the warp barrier orders
+// every lane's writes before lane 0's fence, whose release covers them (one fence a warp, not 32).
 __device__ __forceinline__ void warp_signal(unsigned* counter) {
-  __threadfence();
   __syncwarp();
-  if (threadIdx.x % WARP_SIZE == 0) add_release(counter);
+  if (threadIdx.x % WARP_SIZE == 0) {
+    __threadfence();
+    add_release(counter);
+  }
 }
 
 // Units [begin, end) of an operation's `units` that block blockIdx.x takes: equal runs in block order.
@@ -238,24 +246,48 @@ __device__ __forceinline__ void copy_async_4B(void* shared_destination, const vo
 
 // ---------------------------------------------------------------- the norm
 
+// COUNT 16-byte pieces of global `source` (other blocks' output) into shared `destination`, in rounds
+// in which every thread has STAGE_BATCH loads in flight before it stores any: fewer round trips to
+// L2 for the MLP's 37 KB vector, not one per piece. (More at once would hold registers that the
+// rings' bookkeeping, live across this, needs.)
+constexpr int STAGE_BATCH = 2;
+template <int COUNT, typename T>
+__device__ __forceinline__ void stage_pieces(T* destination, const T* source) {
+  for (int first = 0; first < COUNT; first += STAGE_BATCH * PERSIST_THREADS) {
+    T pieces[STAGE_BATCH];
+#pragma unroll
+    for (int k = 0; k < STAGE_BATCH; ++k) {
+      const int i = first + threadIdx.x + k * PERSIST_THREADS;
+      if (i < COUNT) pieces[k] = __ldcg(source + i);
+    }
+#pragma unroll
+    for (int k = 0; k < STAGE_BATCH; ++k) {
+      const int i = first + threadIdx.x + k * PERSIST_THREADS;
+      if (i < COUNT) destination[i] = pieces[k];
+    }
+  }
+}
+
 // out = norm(residual) * weight, fp16 [H], as add_rmsnorm_cluster computes it (the residual already
-// holds the delta: the GEMV tiles before added it). Warp w plays the cluster's virtual warps w,
-// w + PERSIST_WARPS, ...: virtual warp v is warp v % (CLUSTER_THREADS / 32) of cluster block
-// v / (CLUSTER_THREADS / 32), whose lanes sum their slice's squares (update_slice) and reduce them
-// with warp_sum; then every thread adds the warps of a block in order and the blocks in rank order,
-// as block_sum and the cluster's sum do. Every thread of the block calls it.
+// holds the delta: the GEMV tiles before added it). The row is staged in shared memory first; then
+// warp w plays the cluster's virtual warps w, w + PERSIST_WARPS, ...: virtual warp v is warp
+// v % (CLUSTER_THREADS / 32) of cluster block v / (CLUSTER_THREADS / 32), whose lanes sum their
+// slice's squares (update_slice) and reduce them with warp_sum; then every thread adds the warps of
+// a block in order and the blocks in rank order, as block_sum and the cluster's sum do. Every
+// thread of the block calls it.
 __device__ __forceinline__ void norm_into(const float* residual, const unsigned short* __restrict__ weight,
-                                          uint2* out, float* norm_sums) {
+                                          uint2* out, PersistentShared& sh) {
   constexpr int WARPS_PER_RANK = CLUSTER_THREADS / WARP_SIZE;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const float4* residual4 = reinterpret_cast<const float4*>(residual);
+  stage_pieces<RMS_VECTORS>(sh.residual, reinterpret_cast<const float4*>(residual));
+  __syncthreads();
   for (int v = warp; v < NORM_VIRTUAL_WARPS; v += PERSIST_WARPS) {
     const int rank = v / WARPS_PER_RANK, thread = v % WARPS_PER_RANK * WARP_SIZE + lane;
     float4 x[CLUSTER_ITEMS];
-    const float squares = update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual4, nullptr, rank * CLUSTER_VECTORS, x,
+    const float squares = update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(sh.residual, nullptr, rank * CLUSTER_VECTORS, x,
                                                                          thread);
     const float warp_total = warp_sum(squares);
-    if (lane == 0) norm_sums[v] = warp_total;
+    if (lane == 0) sh.norm_sums[v] = warp_total;
   }
   __syncthreads();
   float total = 0.0f;
@@ -263,17 +295,17 @@ __device__ __forceinline__ void norm_into(const float* residual, const unsigned 
   for (int rank = 0; rank < RMS_CLUSTER; ++rank) {
     float block_total;
     if (WARPS_PER_RANK == 1) {
-      block_total = norm_sums[rank];
+      block_total = sh.norm_sums[rank];
     } else {
       block_total = 0.0f;
-      for (int w = 0; w < WARPS_PER_RANK; ++w) block_total += norm_sums[rank * WARPS_PER_RANK + w];
+      for (int w = 0; w < WARPS_PER_RANK; ++w) block_total += sh.norm_sums[rank * WARPS_PER_RANK + w];
     }
     total += block_total;
   }
   const float inv_rms = inverse_rms(total);
   const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
   for (int v = threadIdx.x; v < RMS_VECTORS; v += PERSIST_THREADS)
-    out[v] = normalized_halves(__ldcg(residual4 + v), inv_rms, __ldg(weight4 + v));
+    out[v] = normalized_halves(sh.residual[v], inv_rms, __ldg(weight4 + v));
 }
 
 // ---------------------------------------------------------------- GEMV tiles
@@ -294,10 +326,12 @@ __device__ __forceinline__ bool arrive_split(float* partials, unsigned* arrivals
     __syncwarp();
     return true;
   }
-  __threadfence();
   __syncwarp();
   unsigned arrived = 0;
-  if (lane == 0) arrived = add_acquire_release(arrivals + tile);
+  if (lane == 0) {
+    __threadfence();
+    arrived = add_acquire_release(arrivals + tile);
+  }
   arrived = __shfl_sync(FULL_MASK, arrived, 0);
   if (arrived != (unsigned)splits - 1) return false;
   if (lane == 0) arrivals[tile] = 0;  // this tile's next use (the next layer) counts from zero
@@ -367,9 +401,9 @@ struct GemvStream {
     for (int m = 0; m < TILES; ++m) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const long long row = fetch_rows[m][r];
-        const long long tiled_row = (row / TILE_ROWS * GROUPS + fetch_group) * TILE_ROWS + row % TILE_ROWS;
-        copy_async_16B(&slot.weights[m][r][lane], qweight + tiled_row * WORDS_PER_GROUP + 4 * t);
+        const int row = fetch_rows[m][r];
+        const int tiled_row = (row / TILE_ROWS * GROUPS + fetch_group) * TILE_ROWS + row % TILE_ROWS;
+        copy_async_16B(&slot.weights[m][r][lane], qweight + (long long)tiled_row * WORDS_PER_GROUP + 4 * t);
         const unsigned short* scale = scales + row * GROUPS + fetch_group;
         copy_async_4B(&slot.scales[m][r][lane], reinterpret_cast<const void*>((unsigned long long)scale & ~3ull));
       }
@@ -495,10 +529,10 @@ struct QkvTileRows {
   }
 };
 
-// The operation's input vector from global memory (another block's output) into sh.x.
-__device__ __forceinline__ void load_x(PersistentShared& sh, const unsigned short* x, int halves) {
-  const uint4* source = reinterpret_cast<const uint4*>(x);
-  for (int v = threadIdx.x; v < halves / 8; v += PERSIST_THREADS) sh.x[v] = __ldcg(source + v);
+// The operation's input vector, HALVES fp16 of global memory (another block's output), into sh.x.
+template <int HALVES>
+__device__ __forceinline__ void load_x(PersistentShared& sh, const unsigned short* x) {
+  stage_pieces<HALVES / 8>(sh.x, reinterpret_cast<const uint4*>(x));
 }
 
 // ---------------------------------------------------------------- attention
@@ -615,7 +649,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
         weights(LAYER_QKV_QWEIGHT), halves(LAYER_QKV_SCALES), QKV_TILES, qkv_splits,
         layer > 0 ? done + (layer - 1) * OPS_PER_LAYER + OP_DOWN : nullptr, HIDDEN_TILES, ring_of_warp(), sh,
         QkvTileRows{},
-        [&] { norm_into(residual, halves(LAYER_INPUT_NORM), reinterpret_cast<uint2*>(sh.x), sh.norm_sums); },
+        [&] { norm_into(residual, halves(LAYER_INPUT_NORM), reinterpret_cast<uint2*>(sh.x), sh); },
         [&](int tile, int split, const float(&acc)[1][2]) {
           if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, qkv_splits, acc)) return;
           const int lane = threadIdx.x % WARP_SIZE;
@@ -692,7 +726,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     gemv_operation<NQ_Q_DIM, 1, SPLIT_STAGES>(
         weights(LAYER_O_QWEIGHT), halves(LAYER_O_SCALES), HIDDEN_TILES, o_splits,
         layer_done + (combined ? OP_COMBINE : OP_ATTENTION), combined ? NQ_NUM_HEADS : PA_KVH, ring_of_warp(), sh,
-        PlainTileRows<NQ_HIDDEN>{}, [&] { load_x(sh, attn_out, NQ_Q_DIM); },
+        PlainTileRows<NQ_HIDDEN>{}, [&] { load_x<NQ_Q_DIM>(sh, attn_out); },
         [&](int tile, int split, const float(&acc)[1][2]) {
           if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, o_splits, acc)) return;
           const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
@@ -706,7 +740,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     gemv_operation<NQ_HIDDEN, 2, PAIR_STAGES>(
         weights(LAYER_GATE_UP_QWEIGHT), halves(LAYER_GATE_UP_SCALES), MLP_TILES, gate_up_splits, layer_done + OP_O,
         HIDDEN_TILES, pair_ring_of_warp(), sh, GateUpTileRows{},
-        [&] { norm_into(residual, halves(LAYER_POST_NORM), reinterpret_cast<uint2*>(sh.x), sh.norm_sums); },
+        [&] { norm_into(residual, halves(LAYER_POST_NORM), reinterpret_cast<uint2*>(sh.x), sh); },
         [&](int tile, int split, const float(&acc)[2][2]) {
           if (!arrive_split<2>(split_partials, tile_arrivals, tile, split, gate_up_splits, acc)) return;
           const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
@@ -728,7 +762,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     }
     gemv_operation<NQ_INTERMEDIATE, 1, SPLIT_STAGES>(
         weights(LAYER_DOWN_QWEIGHT), halves(LAYER_DOWN_SCALES), HIDDEN_TILES, down_splits, layer_done + OP_GATE_UP,
-        MLP_TILES, ring_of_warp(), sh, PlainTileRows<NQ_HIDDEN>{}, [&] { load_x(sh, mlp_hidden, NQ_INTERMEDIATE); },
+        MLP_TILES, ring_of_warp(), sh, PlainTileRows<NQ_HIDDEN>{}, [&] { load_x<NQ_INTERMEDIATE>(sh, mlp_hidden); },
         [&](int tile, int split, const float(&acc)[1][2]) {
           if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, down_splits, acc)) return;
           const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
@@ -742,7 +776,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
   // ---- the final norm, by block 0, once the last layer's down is in; then every counter back to zero
   if (blockIdx.x == 0) {
     wait_count(done + (num_layers - 1) * OPS_PER_LAYER + OP_DOWN, HIDDEN_TILES);
-    norm_into(residual, final_norm, reinterpret_cast<uint2*>(normed), sh.norm_sums);
+    norm_into(residual, final_norm, reinterpret_cast<uint2*>(normed), sh);
     // Every other block has passed its last wait: all of its operations were needed for this one.
     for (int i = threadIdx.x; i < num_layers * OPS_PER_LAYER; i += PERSIST_THREADS) done[i] = 0;
   }

@@ -22,12 +22,10 @@ constexpr int RMS_THREADS = RMS_VECTORS < 1024 ? RMS_VECTORS : 1024;  // a multi
 constexpr int RMS_ITEMS = (RMS_VECTORS + RMS_THREADS - 1) / RMS_THREADS;
 
 // residual[v] + delta[v] (the float4 number v of one row; no delta: the residual as it is).
-// Both are other kernels' (or, in the persistent kernel, other blocks') output: loaded from L2 (ld.cg),
-// never from a line an SM's L1 kept from before they were written.
 __device__ __forceinline__ float4 updated_residual(const float4* residual_row, const float4* delta_row, int v) {
-  float4 r = __ldcg(residual_row + v);
+  float4 r = residual_row[v];
   if (delta_row != nullptr) {
-    const float4 d = __ldcg(delta_row + v);
+    const float4 d = delta_row[v];
     r.x += d.x;
     r.y += d.y;
     r.z += d.z;
