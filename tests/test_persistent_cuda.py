@@ -74,9 +74,14 @@ def test_persistent_layers_are_the_kernel_per_operation_bits(name, splits, tmp_p
     assert not layers.done.any() and not layers.tile_arrivals.any(), "a step left its counters set"
 
 
-def test_the_persistent_form_is_the_default_and_can_be_switched(tmp_path):
+def test_the_persistent_form_is_an_option(tmp_path):
+    from nanoqwen.cuda.backend import CudaBackend
+
     path = make_nanoqwen(tmp_path, tokenizer=False, **FAMILY_SHAPES["1:1 (no grouping)"])
     backend = backend_for(path, None)
-    assert backend.persistent and backend.launches_per_token == 4
-    backend.persistent = False
-    assert backend.launches_per_token > 4
+    assert not backend.persistent and backend.launches_per_token > 4  # a kernel per operation decodes by default
+    backend.persistent = True
+    assert backend.launches_per_token == 4
+    assert CudaBackend(nanoqwen.load(path), PAGES, persistent=True).persistent
+    with pytest.raises(ValueError, match="persistent"):
+        CudaBackend(nanoqwen.load(path), PAGES, activations="int8").persistent = True

@@ -36,7 +36,7 @@ def records():
 
 def test_shares_add_up_to_the_step(records):
     config, names, start, released, step_ns, shares = records
-    summary = step_timeline.summarize(config, names, start, released, step_ns)
+    summary = step_timeline.summarize(config, names, start, released, step_ns, READ_BANDWIDTH)
     after_first_wait = step_ns - (released[:, 0] - start[:, 0])  # the first kernel's head start is no share
     assert summary["shares_sum_us"] == pytest.approx(np.median(after_first_wait) / 1e3)
     assert sum(r["share_us_per_step"] for r in summary["rows"]) == pytest.approx(np.mean(after_first_wait) / 1e3)
@@ -50,7 +50,7 @@ def test_shares_add_up_to_the_step(records):
 
 def test_head_starts_and_the_first_layer(records):
     config, names, start, released, step_ns, _ = records
-    summary = step_timeline.summarize(config, names, start, released, step_ns)
+    summary = step_timeline.summarize(config, names, start, released, step_ns, READ_BANDWIDTH)
     lm_head = names.index("lm_head_logits")
     by_kernel = {r["kernel"]: r for r in summary["rows"]}
     assert by_kernel["lm_head_logits"]["head_start_us_per_launch"] == pytest.approx(
@@ -60,7 +60,7 @@ def test_head_starts_and_the_first_layer(records):
 
 def test_floors_are_the_kernels_bytes_per_launch(records):
     config, names, start, released, step_ns, _ = records
-    by_kernel = {r["kernel"]: r for r in step_timeline.summarize(config, names, start, released, step_ns)["rows"]}
+    by_kernel = {r["kernel"]: r for r in step_timeline.summarize(config, names, start, released, step_ns, READ_BANDWIDTH)["rows"]}
     budget = kernel_bytes(config, step_timeline.PROMPT_TOKENS + 1)
     gate_up = budget["gemv_int4_gate_up_silu"] / config.num_layers / READ_BANDWIDTH * 1e6
     assert by_kernel["gemv_int4_gate_up_silu"]["floor_us_per_launch"] == pytest.approx(gate_up)
@@ -73,7 +73,7 @@ def test_floors_are_the_kernels_bytes_per_launch(records):
     names = ["embed_tokens", *LAYER_ROPE_APART * config.num_layers, *names[-3:]]
     shares = np.full((1, len(names)), 2_000)
     released = np.cumsum(shares, axis=1)
-    rows = step_timeline.summarize(config, names, released - 500, released, released[:, -1] + 2_000.0)["rows"]
+    rows = step_timeline.summarize(config, names, released - 500, released, released[:, -1] + 2_000.0, READ_BANDWIDTH)["rows"]
     by_kernel = {r["kernel"]: r for r in rows}
     assert by_kernel["gemv_int4_from_hidden"]["floor_us_per_launch"] == pytest.approx(qkv)
     assert by_kernel["rope_write_kv"]["floor_us_per_launch"] is None  # it reads nothing of the byte floor
@@ -145,7 +145,7 @@ def test_the_persistent_kernels_operations_add_up_to_its_layers():
                 records[step, 0, layer, op, 1] = clock + handoff  # block 0's wait returned first
                 records[step, 0, layer, op, 2] = clock + handoff + work  # and it finished last
                 clock += handoff + work
-    summary = step_timeline.summarize_persistent(config, records)
+    summary = step_timeline.summarize_persistent(config, records, READ_BANDWIDTH)
     assert [r["operation"] for r in summary["operations"]] == list(step_timeline.OPERATIONS)
     first_begun = records[:, 0, 0, 0, 0]  # every block that takes part begins at once
     last_done = records[:, :, -1, -1, 2].max(axis=1)

@@ -1,6 +1,6 @@
 """Speculative decoding on the GPU: what a verify pass costs, and what it buys on code edits.
 
-    python3 tools/bench_speculative.py --out results/speculative-h200     # on a GPU machine
+    python3 tools/bench_speculative.py --out results/speculative-h100     # on a GPU machine (named by it)
 
 1. Pass cost at the 7B's shapes (random weights of the published shapes, a 512-token prompt): the
    wall time of one `CudaBackend.verify` call of k = 1, 2, 4, 7, 8, 16 drafts (7: the widest pass
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from record import record_header, write_record
+from record import record_command, record_header, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 7, 8, 16]  # 7: the most a narrow pass takes (8 rows)
@@ -127,7 +127,8 @@ def markdown(record: dict) -> str:
              f"- date: {record['date']}; GPU: {record['gpu']}; commit: {record['commit']}",
              f"- command: `{record['command']}`",
              f"- 7B shapes, random weights, {PROMPT_TOKENS}-token context; wall time per call, median of {REPEATS}; "
-             f"byte floor of one pass {record['floor_ms']:.3f} ms", "",
+             f"byte floor of one pass {record['floor_ms']:.3f} ms at the read bandwidth measured in the run, "
+             f"{record['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", "",
              f"Plain decoding (pipelined, `Engine.generate`): **{plain:.3f} ms/token**.", "",
              "| pass | wall ms | vs one decode step |", "| --- | ---: | ---: |"]
     for k, ms in costs.items():
@@ -168,10 +169,12 @@ def main() -> int:
     from nanoqwen import Engine
     from nanoqwen.byte_floor import floor_ms
     from nanoqwen.cli import DEFAULT_MODEL
+    from nanoqwen.cuda.timing import read_bandwidth
     from nanoqwen.random_model import PRESETS, write_random_model
     from nanoqwen.testing import CODE_EDIT_PROMPTS
 
     rng = np.random.default_rng(0)
+    bandwidth = read_bandwidth()
     with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as coder:
         runs = {(name, n): recorded_run(coder, prompt, n) for name, prompt in
                 [*((name, CODE_EDIT_PROMPTS[name]) for name in EDIT_PROMPTS), ("short prompt", SHORT_PROMPT)] for n in SPECULATE}
@@ -183,12 +186,13 @@ def main() -> int:
         ids = rng.integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
         plain = plain_ms_per_token(engine, ids)
         speculative = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=8) for _ in range(3)]
-        floor = floor_ms(engine.config, PROMPT_TOKENS)
+        floor = floor_ms(engine.config, PROMPT_TOKENS, bandwidth)
     # plain steps run pipelined between the verify passes, at plain decoding's cost per token
     effective = [dict(prompt=name, speculate=n, **summary, ms_per_token=priced(passes, {**costs, 0: plain}))
                  for (name, n), (summary, passes) in runs.items()]
     record = {
-        **record_header("python3 tools/bench_speculative.py --out results/speculative-h200"),
+        **record_header(record_command("tools/bench_speculative.py", args.out)),
+        "read_bandwidth_bytes_per_s": bandwidth,
         "floor_ms": floor,
         "plain_ms_per_token": plain,
         "pass_costs_ms": {str(k): v for k, v in costs.items()},

@@ -1,16 +1,16 @@
 """Decode speed at every published Qwen2.5-Coder size against its byte floor, and the 7B at long context.
 
-    python3 tools/decode_by_size.py --out results/decode-by-size-h200     # on a GPU machine
+    python3 tools/decode_by_size.py --out results/decode-by-size-h100     # on a GPU machine (named by it)
 
 Each size is a random-weight file of the published shapes (`nanoqwen.random_model` presets),
 run through `Engine.generate` as `nanoqwen bench` runs it: a 512-token prompt, then 128 greedy
-tokens, the median of `REPEATS` runs, once with the engine's decode step (the persistent kernel,
-nanoqwen.cuda.persistent) and once with a kernel per operation (`CudaBackend.persistent` off). The
+tokens, the median of `REPEATS` runs, once with the engine's decode step (a kernel per operation)
+and once with the layers in one persistent kernel (`CudaBackend.persistent`, chapter 13). The
 floor is the bytes one step must read at the run's mean context over the read bandwidth measured
 at the start of the run (`nanoqwen.cuda.timing.read_bandwidth`). Peak GPU memory is the device
 memory CuPy's pool holds after the runs: the engine allocates everything at start, and the pool
 keeps what prefill took. Writes OUT.json (`{"rows": [{"model", "context", "ms_per_token",
-"ms_per_token_per_operation", "floor_ms", "share_of_floor", "peak_gpu_bytes", "prefill_weights",
+"ms_per_token_persistent", "floor_ms", "share_of_floor", "peak_gpu_bytes", "prefill_weights",
 "time_to_first_token_ms"}, ...]}` with date, GPU, commit, command and read bandwidth) and OUT.md.
 """
 
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from record import record_header, write_record
+from record import record_command, record_header, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
 SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
@@ -42,15 +42,15 @@ def measure(model_path: Path, prompt_tokens: int, bandwidth: float) -> dict:
     try:
         ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
         ms, runs = {}, None
-        for persistent in (False, True):  # the engine's default last: its runs give the prefill times
+        for persistent in (True, False):  # the engine's default last: its runs give the prefill times
             engine.backend.persistent = persistent
             engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
             runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
             cp.cuda.Device().synchronize()
             ms[persistent] = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
         floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2, bandwidth)
-        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms[True], ms_per_token_per_operation=ms[False],
-                    floor_ms=floor, share_of_floor=floor / ms[True], peak_gpu_bytes=int(pool.total_bytes()),
+        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms[False], ms_per_token_persistent=ms[True],
+                    floor_ms=floor, share_of_floor=floor / ms[False], peak_gpu_bytes=int(pool.total_bytes()),
                     prefill_weights=engine.backend.prefill_weights,
                     time_to_first_token_ms=statistics.median(r.prefill_seconds for r in runs) * 1e3)
     finally:
@@ -66,13 +66,13 @@ def markdown(record: dict) -> str:
              f"- protocol: random weights of the published shapes, a {PROMPT_TOKENS}-token prompt (or the context "
              f"given), {NEW_TOKENS} greedy tokens, median of {REPEATS}; floor: the step's bytes at the mean context "
              f"over the read bandwidth measured in the run, {record['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", "",
-             "| model | context | decode ms/token | floor ms | share of floor | a kernel per operation | "
+             "| model | context | decode ms/token | floor ms | share of floor | the layers in one kernel | "
              "time to first token | peak GPU memory | prefill weights |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in record["rows"]:
         lines.append(f"| {r['model']} | {r['context']} | {r['ms_per_token']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{100 * r['share_of_floor']:.1f}% | {r['ms_per_token_per_operation']:.3f} ms "
-                     f"({100 * r['floor_ms'] / r['ms_per_token_per_operation']:.1f}%) | "
+                     f"{100 * r['share_of_floor']:.1f}% | {r['ms_per_token_persistent']:.3f} ms "
+                     f"({100 * r['floor_ms'] / r['ms_per_token_persistent']:.1f}%) | "
                      f"{r['time_to_first_token_ms']:.1f} ms | {r['peak_gpu_bytes'] / 2**30:.1f} GiB | "
                      f"{r['prefill_weights']} |")
     return "\n".join(lines) + "\n"
@@ -102,10 +102,11 @@ def main() -> int:
         rows.append(dict(model=size, **measure(model, prompt_tokens, bandwidth)))
         r = rows[-1]
         print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
-              f"({100 * r['share_of_floor']:.1f}%), a kernel per operation {r['ms_per_token_per_operation']:.3f}, "
+              f"({100 * r['share_of_floor']:.1f}%), the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
               f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
     record = {
-        **record_header(f"python3 tools/decode_by_size.py --out {args.out}"),
+        **record_header(record_command("tools/decode_by_size.py", args.out, "--sizes", *args.sizes, "--long-contexts",
+                                       *map(str, args.long_contexts))),
         "read_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
     }

@@ -31,3 +31,9 @@ def write_record(out: Path, record: dict, markdown: str) -> None:
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     out.with_suffix(".md").write_text(markdown)
     print(markdown)
+
+
+def record_command(tool: str, out: Path, *options: str) -> str:
+    """The command that makes a record again: `tool` with `options`, writing to results/ under the name
+    it was given (a device machine writes it elsewhere and it is copied there)."""
+    return " ".join(["python3", tool, *options, "--out", f"results/{Path(out).name}"])

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoqwen.cuda import build
-from nanoqwen.byte_floor import READ_BANDWIDTH, bytes_per_token, kernel_bytes
+from nanoqwen.byte_floor import bytes_per_token, kernel_bytes
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS as PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
@@ -107,7 +107,7 @@ def record_steps(backend, page_table, modules, launches: int, steps: int):
     return start, released, np.array(step_ns)
 
 
-def summarize(config, names: list[str], start, released, step_ns) -> dict:
+def summarize(config, names: list[str], start, released, step_ns, bandwidth: float) -> dict:
     """Per kernel: its mean share of the step (from its wait returning to the next kernel's) and
     head start (from its start to its wait returning), in µs, over every step and launch."""
     shares = np.empty_like(released)
@@ -133,7 +133,7 @@ def summarize(config, names: list[str], start, released, step_ns) -> dict:
             "kernel": name, "label": LABELS.get(name, name), "launches_per_step": entry["launches_per_step"],
             "share_us_per_launch": share, "share_us_per_step": share * entry["launches_per_step"],
             "head_start_us_per_launch": statistics.fmean(entry["head_start_us"]),
-            "floor_us_per_launch": bytes_per_launch / READ_BANDWIDTH * 1e6 if bytes_per_launch else None,
+            "floor_us_per_launch": bytes_per_launch / bandwidth * 1e6 if bytes_per_launch else None,
         })
     rows.sort(key=lambda r: -r["share_us_per_step"])
     layer_begins = names.index("add_rmsnorm_cluster") if "add_rmsnorm_cluster" in names else None  # layer 0's input norm
@@ -180,7 +180,7 @@ def record_persistent_steps(backend, page_table, modules, steps: int):
     return np.stack(records)
 
 
-def summarize_persistent(config, records) -> dict:
+def summarize_persistent(config, records, bandwidth: float) -> dict:
     """Per operation: its share of the step and its hand-off (see the module's docstring), in µs, the
     mean over steps of their sums over layers, and the blocks taking part."""
     names = list(OPERATIONS)
@@ -217,7 +217,7 @@ def summarize_persistent(config, records) -> dict:
         rows.append({"operation": name, "share_us_per_step": statistics.fmean(share[name]),
                      "share_us_per_layer": statistics.fmean(share[name]) / config.num_layers,
                      "handoff_us_per_layer": statistics.fmean(handoff[name]) / config.num_layers,
-                     "floor_us_per_layer": floor_bytes[kernel] / config.num_layers / READ_BANDWIDTH * 1e6 if kernel else None,
+                     "floor_us_per_layer": floor_bytes[kernel] / config.num_layers / bandwidth * 1e6 if kernel else None,
                      "blocks_taking_part": statistics.median(blocks[name])})
     return {"operations": rows, "layer_0_us": {name: statistics.fmean(v) for name, v in layer_0.items()},
             "layers_us": float(statistics.fmean(sum(r) for r in zip(*share.values())))}
@@ -232,6 +232,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="write the summary and every recorded time here")
     args = parser.parse_args(argv)
 
+    from nanoqwen.cuda.timing import read_bandwidth
+
+    bandwidth = read_bandwidth()  # the floors' divisor, measured on this GPU
     model = load(args.model)
     backend, page_table, modules = traced_backend(model)
     backend.pdl = not args.without_pdl
@@ -239,8 +242,8 @@ def main(argv=None) -> int:
     backend.persistent = False  # first the step with a kernel per operation
     names = step_launch_names(backend)
     start, released, step_ns = record_steps(backend, page_table, modules, len(names), args.steps)
-    summary = summarize(model.config, names, start, released, step_ns)
-    floor_us = sum(bytes_per_token(model.config, PROMPT_TOKENS).values()) / READ_BANDWIDTH * 1e6
+    summary = summarize(model.config, names, start, released, step_ns, bandwidth)
+    floor_us = sum(bytes_per_token(model.config, PROMPT_TOKENS).values()) / bandwidth * 1e6
     print(f"traced step {summary['step_us']:.1f} us (median of {args.steps}), shares add up to "
           f"{summary['shares_sum_us']:.1f}; byte floor {floor_us:.1f} us; {len(names)} launches; "
           f"smallest clock step seen {summary['clock_smallest_nonzero_step_ns']} ns")
@@ -251,7 +254,8 @@ def main(argv=None) -> int:
               f"{floor:>12s} {r['head_start_us_per_launch']:10.2f}")
     print("layer 0, in order:", ", ".join(f"{r['label']} {r['share_us']:.2f}" for r in summary["layer_0"]))
     if persistent:
-        inside = summarize_persistent(model.config, record_persistent_steps(backend, page_table, modules, args.steps))
+        inside = summarize_persistent(model.config, record_persistent_steps(backend, page_table, modules, args.steps),
+                                      bandwidth)
         summary["persistent"] = inside
         print(f"persistent kernel: the layers take {inside['layers_us']:.1f} us (mean of {args.steps} steps)")
         print(f"{'operation':18s} {'us/step':>8s} {'us/layer':>9s} {'floor/layer':>11s} {'hand-off':>9s} {'blocks':>6s}")
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
     if args.json:
         record = step_timing_record("tools/step_timeline.py", argv or sys.argv[1:], [])
         record.pop("rows", None)
-        record.update(summary, byte_floor_us=floor_us, launch_names=names,
+        record.update(summary, byte_floor_us=floor_us, read_bandwidth_bytes_per_s=bandwidth, launch_names=names,
                       start_ns=(start - start[:, :1]).tolist(), released_ns=(released - start[:, :1]).tolist(),
                       step_ns=step_ns.tolist())
         args.json.write_text(json.dumps(record, indent=1))

@@ -71,7 +71,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
     name = "cuda"
 
     def __init__(self, model: Model, num_pages: int, attention_factory=None, use_graph: bool = True,
-                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto", persistent: bool = True):
+                 activations: str = "fp16", pdl: bool = True, prefill_weights: str = "auto", persistent: bool = False):
         """Upload `model`, compile the kernels for it and allocate a KV pool of `num_pages`.
 
         `attention_factory(config, num_pages, max_seq_len)` builds the attention object
@@ -85,9 +85,10 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         changes nothing in eager launches, and falls back to plain launches, with a warning, where
         cuda.bindings is missing (`decode_graph().pdl` says which ran).
 
-        With `persistent` (the default) a decode step runs every layer in one kernel launch
-        (nanoqwen.cuda.persistent), where the backend can: fp16 activations and the paged attention;
-        `self.persistent` says which form decodes, and may be switched (the bits are the same).
+        With `persistent` a decode step runs every layer in one kernel launch (nanoqwen.cuda.persistent)
+        instead of a kernel per operation, where the backend can (fp16 activations and the paged
+        attention). The bits are the same; it is slower on Hopper today (chapter 13), so it is off by
+        default. `self.persistent` says which form decodes, and may be switched.
 
         Prefill multiplies whole prompts with cuBLAS from fp16 matrices. `prefill_weights` says
         where they come from: "expand" dequantizes each projection into one scratch buffer every

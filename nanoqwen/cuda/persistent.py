@@ -1,6 +1,8 @@
 """Every layer of a decode step in one launch: the host side of kernels/decode_persistent.cu.
 
-With `CudaBackend.persistent` on, a decode step is four launches instead of 8 per layer:
+With `CudaBackend.persistent` on (off by default: on an H100 it decodes the 7B in 3.7 ms per token
+against 1.9 ms with a kernel per operation, results/decode-by-size-h100.md and chapter 13 say why), a
+decode step is four launches instead of 8 per layer:
 
     embed_tokens                 state.token -> residual
     decode_layers_persistent     one block per SM: every layer, then the final norm -> normed
@@ -32,8 +34,9 @@ KERNEL_FILE = "decode_persistent.cu"
 LAYER_COLUMNS = ("QKV_QWEIGHT", "QKV_SCALES", "QKV_BIAS", "O_QWEIGHT", "O_SCALES", "GATE_UP_QWEIGHT", "GATE_UP_SCALES",
                  "DOWN_QWEIGHT", "DOWN_SCALES", "INPUT_NORM", "POST_NORM", "KV")
 # How much of each warp's gate+up weights to ask L2 for while the attention chain runs, in eighths
-# (0 asks for nothing, and for none of the next layer's chain weights either).
-PREFETCH_EIGHTHS = 3
+# (0 asks for nothing, and for none of the next layer's chain weights either). Off: 3 eighths made
+# the 7B's step slower (book/experiments.md).
+PREFETCH_EIGHTHS = 0
 
 
 def persistent_refusal(backend) -> str | None:
