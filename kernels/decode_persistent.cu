@@ -432,13 +432,13 @@ struct GemvStream {
         for (int j = 0; j < 4; ++j) xv[j] = x[group * X_PIECES_PER_GROUP + 4 * t + j];
 #pragma unroll
         for (int m = 0; m < TILES; ++m) {
-          float d[4] = {};
-          group_mma(slot.weights[m][0][lane], slot.weights[m][1][lane], xv, d);
+          float d[1][4] = {};
+          group_mma(slot.weights[m][0][lane], slot.weights[m][1][lane], [&](int, int j) { return xv[j]; }, 1, d);
           const unsigned int word0 = slot.scales[m][0][lane], word1 = slot.scales[m][1][lane];
           const unsigned short scale0 = (rows[m][0] * GROUPS + group) & 1 ? word0 >> 16 : word0 & 0xffffu;
           const unsigned short scale1 = (rows[m][1] * GROUPS + group) & 1 ? word1 >> 16 : word1 & 0xffffu;
-          acc[m][0] = fmaf(half_to_float(scale0), d[0], acc[m][0]);
-          acc[m][1] = fmaf(half_to_float(scale1), d[2], acc[m][1]);
+          acc[m][0] = fmaf(half_to_float(scale0), d[0][0], acc[m][0]);
+          acc[m][1] = fmaf(half_to_float(scale1), d[0][2], acc[m][1]);
         }
       }
       finish(pair / splits, pair % splits, acc);

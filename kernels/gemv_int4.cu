@@ -137,19 +137,27 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// One group of one tile times one x, decode's arithmetic (the persistent decode kernel's too): lane
-// (g, t)'s pieces w0 (row g) and w1 (row g + 8), four words of 8 weights each, against its 32
-// activations x (elements 32 t .. 32 t + 31 of the group, the same in every column), in 8 MMAs
-// accumulated into d from zero. Afterwards d[0] is row g's sum and d[2] row g + 8's.
-__device__ __forceinline__ void group_mma(const uint4& w0, const uint4& w1, const uint4 (&x)[4], float (&d)[4]) {
+// One group of one tile times x: lane (g, t)'s pieces w0 (row g) and w1 (row g + 8), four words of
+// 8 weights each, against its 32 activations of each column block c (x_of(c, j), j = 0..3: elements
+// 32 t .. 32 t + 31 of the group), in 8 MMAs a block accumulated into d[c] from zero, for the first
+// `blocks` of BLOCKS blocks. Decode (and the persistent decode kernel) has one block, its x the same
+// in every column: afterwards d[0][0] is row g's sum and d[0][2] row g + 8's. A verify pass's blocks
+// hold 8 tokens each (MMA_COLUMNS).
+template <int BLOCKS, typename X>
+__device__ __forceinline__ void group_mma(const uint4& w0, const uint4& w1, X x_of, int blocks, float (&d)[BLOCKS][4]) {
   const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
     unpack_int4_word(words0[j], p0);
     unpack_int4_word(words1[j], p1);
-    mma_16x8x16(d, p0[0], p1[0], p0[1], p1[1], x[j].x, x[j].y);
-    mma_16x8x16(d, p0[2], p1[2], p0[3], p1[3], x[j].z, x[j].w);
+#pragma unroll
+    for (int c = 0; c < BLOCKS; ++c) {
+      if (c >= blocks) break;  // the same for the whole warp
+      const uint4 xv = x_of(c, j);
+      mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
+      mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+    }
   }
 }
 
@@ -338,24 +346,8 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
         for (int tile = 0; tile < TILES; ++tile) {
           const uint4 w0 = weight_ring[u][tile][0][lane], w1 = weight_ring[u][tile][1][lane];
           float d[BLOCKS][4] = {};
-          if constexpr (!ROWS) {
-            group_mma(w0, w1, decode_x, d[0]);
-          } else {
-            const unsigned int words0[4] = {w0.x, w0.y, w0.z, w0.w}, words1[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              unsigned int p0[4], p1[4];  // pairs of row g and of row g + 8
-              unpack_int4_word(words0[j], p0);
-              unpack_int4_word(words1[j], p1);
-#pragma unroll
-              for (int c = 0; c < BLOCKS; ++c) {
-                if (c >= blocks) break;  // the same for the whole warp
-                const uint4 xv = token_x[c][i * X_PIECES_PER_GROUP + j];
-                mma_16x8x16(d[c], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
-                mma_16x8x16(d[c], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
-              }
-            }
-          }
+          group_mma(w0, w1, [&](int c, int j) { return ROWS ? token_x[c][i * X_PIECES_PER_GROUP + j] : decode_x[j]; },
+                    blocks, d);
           unsigned short scale0, scale1;
           if constexpr (STAGED) {
             const unsigned short* group_scales = tile_scales + tile * TILE_ROWS * GROUPS + group_begin + i;
