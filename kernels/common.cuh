@@ -75,6 +75,13 @@ NQ_EXPORT_INT(ELEMENTWISE_THREADS)
 // returns only after that one has finished, which was after that one's wait. Two counters, so
 // that no shared-memory variable carries a slot from one call to the other: a few bytes more per
 // block can cost a kernel a block per SM, and a GEMV of one wave a second wave.
+// The GPU's global clock (%globaltimer), in ns.
+__device__ __forceinline__ unsigned long long global_time_ns() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
 #ifdef NQ_TRACE
 // Set by the host; until then (capacity 0) nothing is recorded.
 __device__ unsigned long long* nq_trace_starts;    // [capacity]
@@ -83,8 +90,7 @@ __device__ unsigned int* nq_trace_counters;        // [2]: starts, releases take
 __device__ unsigned int nq_trace_capacity;
 __device__ __forceinline__ void trace_time(unsigned long long* times, unsigned int* counter) {
   if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) != 0 || nq_trace_capacity == 0) return;
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const unsigned long long now = global_time_ns();
   const unsigned int slot = atomicAdd(counter, 1u);
   if (slot < nq_trace_capacity) times[slot] = now;
 }

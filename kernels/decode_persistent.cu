@@ -12,8 +12,7 @@
 //   done[layer][op]   tiles (attention: units) the operation has finished; the next operation's
 //                     blocks spin on it (thread 0, acquire) and release it with one atomic per tile.
 // While it waits, a block has already asked for its next weights: its warps' rings are full before
-// the operation's input exists, and with `prefetch_eighths` the L2 also holds part of the MLP's
-// weights, requested while the attention chain runs.
+// the operation's input exists.
 //
 // Every number is the multi-kernel step's bits (tests/test_persistent_cuda.py compares the logits):
 // - a GEMV's work is its kernel's (tile, split) pairs with the same split ranges, computed with the
@@ -67,6 +66,9 @@ constexpr int QKV_TILES = NQ_QKV_DIM / TILE_ROWS;  // RoPE-ordered tiles (gemv_i
 constexpr int HIDDEN_TILES = (NQ_HIDDEN + TILE_ROWS - 1) / TILE_ROWS;
 constexpr int MLP_TILES = (NQ_INTERMEDIATE + TILE_ROWS - 1) / TILE_ROWS;
 static_assert(NQ_QKV_DIM % TILE_ROWS == 0, "q|k|v tiles are whole RoPE pairs of 8 dims");
+NQ_EXPORT_INT(QKV_TILES)  // nanoqwen/cuda/persistent.py sizes the split sums and arrival counters by them
+NQ_EXPORT_INT(HIDDEN_TILES)
+NQ_EXPORT_INT(MLP_TILES)
 
 // A spin that outlasts this means a counter will never reach its target (a bug, or blocks that are
 // not all resident): the kernel traps, and the launch fails, instead of hanging the GPU.
@@ -176,12 +178,6 @@ __device__ __forceinline__ unsigned add_acquire_release(unsigned* address) {
   return old;
 }
 
-__device__ __forceinline__ unsigned long long global_time_ns() {
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-
 #ifdef NQ_TRACE
 // tools/step_timeline.py: thread 0 of every block records, for each operation of each layer it
 // takes part in, when it began (its first weights requested), when its wait returned and when it
@@ -232,11 +228,6 @@ struct Share {
 };
 __device__ __forceinline__ Share block_share(int units) {
   return {(int)((long long)blockIdx.x * units / gridDim.x), (int)((long long)(blockIdx.x + 1) * units / gridDim.x)};
-}
-
-// Ask L2 to fetch [address, address + bytes) (bytes a multiple of 16) for a read that comes later.
-__device__ __forceinline__ void prefetch_to_l2(const void* address, unsigned bytes) {
-  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void copy_async_4B(void* shared_destination, const void* global_source) {
@@ -445,27 +436,6 @@ struct GemvStream {
     }
   }
 
-  // Ask L2 for the first `eighths` / 8 of each of the warp's pairs' weights (lane 0; the rows of
-  // lane 0 name the tile's one or two 16-row tiles of the tiled layout).
-  template <typename RowsOf>
-  __device__ __forceinline__ void prefetch(int first, int eighths, RowsOf rows_of) const {
-    if (threadIdx.x % WARP_SIZE != 0 || eighths <= 0) return;
-    for (int pair = first; pair < end; pair += PERSIST_WARPS) {
-      const int begin = range_begin(pair), count = (range_end(pair) - begin) * min(eighths, 8) / 8;
-      int rows[TILES][2];
-      rows_of(pair / splits, rows);
-#pragma unroll
-      for (int m = 0; m < TILES; ++m) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const long long tile = rows[m][r] / TILE_ROWS;
-          if (r == 1 && tile == rows[m][0] / TILE_ROWS) continue;
-          prefetch_to_l2(qweight + (tile * GROUPS + begin) * TILE_ROWS * WORDS_PER_GROUP,
-                         count * TILE_ROWS * WORDS_PER_GROUP * 4);
-        }
-      }
-    }
-  }
 };
 
 // One GEMV operation of the block: its share of the tiles x splits pairs, the warps' rings filled
@@ -491,15 +461,6 @@ __device__ __forceinline__ void gemv_operation(const unsigned int* qweight, cons
   copy_async_wait<0>();  // the ring's last commit groups are empty; nothing lands after this
   __syncthreads();
   trace(TRACE_DONE);
-}
-
-// The L2 prefetch of a GEMV operation's pairs that this block will take (see GemvStream::prefetch).
-template <int K, int TILES, typename RowsOf>
-__device__ __forceinline__ void prefetch_operation(const unsigned int* qweight, int tiles, int splits, int eighths,
-                                                   RowsOf rows_of) {
-  const Share share = block_share(tiles * splits);
-  GemvStream<K, TILES, 2> stream{qweight, nullptr, nullptr, splits, share.end};
-  stream.prefetch(share.begin + threadIdx.x / WARP_SIZE, eighths, rows_of);
 }
 
 // Lane (g, t)'s rows of a tile, as the GEMV kernel's lane holds them.
@@ -612,14 +573,13 @@ __device__ __forceinline__ void attention_unit(int split, int kv_head, int split
 //   split_partials fp32 [the largest tiles x splits x 2 x 16 of the GEMVs], tile_arrivals uint32
 //   [the most tiles], done uint32 [L * OPS_PER_LAYER]: zero on entry, and zero again on exit
 //   *_splits: each GEMV's split of K, the decode kernels' (nanoqwen.cuda.plan)
-//   prefetch_eighths: how much of each warp's gate+up weights to ask L2 for while attention runs
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 decode_layers_persistent(const unsigned long long* __restrict__ layer_table, const int* state,
                          const float* __restrict__ inv_freq, const unsigned short* __restrict__ final_norm,
                          float* residual, float* q, unsigned short* attn_out, unsigned short* mlp_hidden,
                          unsigned short* normed, float* partial_max_sum, float* partial_acc, int attention_splits,
                          float* split_partials, unsigned* tile_arrivals, unsigned* done, int num_layers,
-                         int qkv_splits, int o_splits, int gate_up_splits, int down_splits, int prefetch_eighths) {
+                         int qkv_splits, int o_splits, int gate_up_splits, int down_splits) {
   extern __shared__ __align__(128) unsigned char persistent_shared[];
   PersistentShared& sh = *reinterpret_cast<PersistentShared*>(persistent_shared);
   let_next_kernel_launch();
@@ -673,10 +633,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
         },
         tracer(OP_QKV));
 
-    // ---- attention: units (split, KV head) over the active splits, a quad of warps each; the
-    // gate+up weights this block will multiply are asked of L2 meanwhile
-    prefetch_operation<NQ_HIDDEN, 2>(weights(LAYER_GATE_UP_QWEIGHT), MLP_TILES, gate_up_splits, prefetch_eighths,
-                                     GateUpTileRows{});
+    // ---- attention: units (split, KV head) over the active splits, a quad of warps each
     {
       const int active_splits = step_value(sh.step.active_splits);
       const Share share = block_share(active_splits * PA_KVH);
@@ -753,13 +710,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
         },
         tracer(OP_GATE_UP));
 
-    // ---- down: residual += down mlp_hidden; the next layer's chain weights are asked of L2 meanwhile
-    if (layer + 1 < num_layers && prefetch_eighths > 0) {
-      prefetch_operation<NQ_HIDDEN, 1>(layer_pointer<unsigned int>(layer_table, layer + 1, LAYER_QKV_QWEIGHT), QKV_TILES,
-                                       qkv_splits, 8, QkvTileRows{});
-      prefetch_operation<NQ_Q_DIM, 1>(layer_pointer<unsigned int>(layer_table, layer + 1, LAYER_O_QWEIGHT), HIDDEN_TILES,
-                                      o_splits, 8, PlainTileRows<NQ_HIDDEN>{});
-    }
+    // ---- down: residual += down mlp_hidden
     gemv_operation<NQ_INTERMEDIATE, 1, SPLIT_STAGES>(
         weights(LAYER_DOWN_QWEIGHT), halves(LAYER_DOWN_SCALES), HIDDEN_TILES, down_splits, layer_done + OP_GATE_UP,
         MLP_TILES, ring_of_warp(), sh, PlainTileRows<NQ_HIDDEN>{}, [&] { load_x<NQ_INTERMEDIATE>(sh, mlp_hidden); },

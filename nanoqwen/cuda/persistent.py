@@ -33,10 +33,6 @@ KERNEL_FILE = "decode_persistent.cu"
 # The layer table's columns, named as kernels/decode_persistent.cu names them (LAYER_*).
 LAYER_COLUMNS = ("QKV_QWEIGHT", "QKV_SCALES", "QKV_BIAS", "O_QWEIGHT", "O_SCALES", "GATE_UP_QWEIGHT", "GATE_UP_SCALES",
                  "DOWN_QWEIGHT", "DOWN_SCALES", "INPUT_NORM", "POST_NORM", "KV")
-# How much of each warp's gate+up weights to ask L2 for while the attention chain runs, in eighths
-# (0 asks for nothing, and for none of the next layer's chain weights either). Off: 3 eighths made
-# the 7B's step slower (book/experiments.md).
-PREFETCH_EIGHTHS = 0
 
 
 def persistent_refusal(backend) -> str | None:
@@ -81,13 +77,12 @@ class PersistentLayers:
         self.layer_table = cp.asarray(table)
         first = backend.layers[0]
         self.splits = {"qkv": first.qkv.splits, "o": first.o.splits, "gate_up": GATE_UP_SPLITS, "down": first.down.splits}
-        tiles = {"qkv": (c.q_dim + 2 * c.kv_dim) // 16, "o": -(-c.hidden_size // 16),
-                 "gate_up": -(-c.intermediate_size // 16), "down": -(-c.hidden_size // 16)}
+        hidden, mlp = (build.module_int(module, f"abi_{name}_TILES") for name in ("HIDDEN", "MLP"))
+        tiles = {"qkv": build.module_int(module, "abi_QKV_TILES"), "o": hidden, "gate_up": mlp, "down": hidden}
         sums_per_pair = {"qkv": 16, "o": 16, "gate_up": 32, "down": 16}  # one or two tiles of 16 rows
         self.split_partials = cp.empty(max(tiles[k] * self.splits[k] * sums_per_pair[k] for k in tiles), dtype=cp.float32)
         self.tile_arrivals = cp.zeros(max(tiles.values()), dtype=cp.uint32)
         self.done = cp.zeros(c.num_layers * OPS_PER_LAYER, dtype=cp.uint32)
-        self.prefetch_eighths = PREFETCH_EIGHTHS
 
     def launch(self) -> None:
         """The layers of one step on the current stream: `residual` (the embedding) in, `normed` out."""
@@ -97,7 +92,6 @@ class PersistentLayers:
             (self.layer_table, b.state, b.inv_freq, b.final_norm, b.residual, b.q, b.attn_out, b.mlp_hidden, b.normed,
              attention.partial_max_sum, attention.partial_acc, np.int32(attention.splits), self.split_partials,
              self.tile_arrivals, self.done, np.int32(b.config.num_layers), np.int32(self.splits["qkv"]),
-             np.int32(self.splits["o"]), np.int32(self.splits["gate_up"]), np.int32(self.splits["down"]),
-             np.int32(self.prefetch_eighths)),
+             np.int32(self.splits["o"]), np.int32(self.splits["gate_up"]), np.int32(self.splits["down"])),
             shared_mem=self.shared_bytes,
         )
