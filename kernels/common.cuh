@@ -108,6 +108,15 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
+// One more arrival at a counter in global memory; returns the count before it. Acquire and release
+// at GPU scope: what this block wrote before (behind a fence and a barrier) is visible to the
+// block that sees the last arrival, and what the others wrote is visible to it.
+__device__ __forceinline__ unsigned add_acquire_release(unsigned* address) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(address) : "memory");
+  return old;
+}
+
 // ---------------------------------------------------------------- half precision as bits
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {

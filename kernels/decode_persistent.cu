@@ -22,7 +22,8 @@
 //   of the GEMV kernel does (add_splits), and finishes the tile (RoPE and the cache write, the
 //   residual update, or SwiGLU);
 // - the norm is add_rmsnorm_cluster's: every block that needs the normalized residual computes it,
-//   playing the cluster's 8 blocks' threads to add the squares in that kernel's order (norm_into);
+//   playing the cluster's 8 blocks' threads to add the squares in that kernel's order (norm_into,
+//   rmsnorm.cu's normalize_row_in_block);
 // - attention is the decode kernel's units (split, KV head), four consumer warps each, with the same
 //   pages per consumer and the same merges (paged_attention.cuh), and the combine is its kernel's.
 #include "rmsnorm.cu"
@@ -84,9 +85,6 @@ struct GemvSlot {
   uint4 weights[TILES][2][WARP_SIZE];
   unsigned int scales[TILES][2][WARP_SIZE];
 };
-
-// The norm plays add_rmsnorm_cluster's RMS_CLUSTER blocks of CLUSTER_THREADS threads.
-constexpr int NORM_VIRTUAL_WARPS = RMS_CLUSTER * CLUSTER_THREADS / WARP_SIZE;
 
 constexpr int X_HALVES = NQ_INTERMEDIATE > NQ_HIDDEN ? (NQ_INTERMEDIATE > NQ_Q_DIM ? NQ_INTERMEDIATE : NQ_Q_DIM)
                                                      : (NQ_HIDDEN > NQ_Q_DIM ? NQ_HIDDEN : NQ_Q_DIM);
@@ -172,11 +170,6 @@ __device__ __forceinline__ void add_release(unsigned* address) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(address) : "memory");
 }
 
-__device__ __forceinline__ unsigned add_acquire_release(unsigned* address) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(address) : "memory");
-  return old;
-}
 
 #ifdef NQ_TRACE
 // tools/step_timeline.py: thread 0 of every block records, for each operation of each layer it
@@ -260,43 +253,13 @@ __device__ __forceinline__ void stage_pieces(T* destination, const T* source) {
 }
 
 // out = norm(residual) * weight, fp16 [H], as add_rmsnorm_cluster computes it (the residual already
-// holds the delta: the GEMV tiles before added it). The row is staged in shared memory first; then
-// warp w plays the cluster's virtual warps w, w + PERSIST_WARPS, ...: virtual warp v is warp
-// v % (CLUSTER_THREADS / 32) of cluster block v / (CLUSTER_THREADS / 32), whose lanes sum their
-// slice's squares (update_slice) and reduce them with warp_sum; then every thread adds the warps of
-// a block in order and the blocks in rank order, as block_sum and the cluster's sum do. Every
-// thread of the block calls it.
+// holds the delta: the GEMV tiles before added it): the row staged in shared memory, then
+// normalized there (rmsnorm.cu). Every thread of the block calls it.
 __device__ __forceinline__ void norm_into(const float* residual, const unsigned short* __restrict__ weight,
                                           uint2* out, PersistentShared& sh) {
-  constexpr int WARPS_PER_RANK = CLUSTER_THREADS / WARP_SIZE;
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   stage_pieces<RMS_VECTORS>(sh.residual, reinterpret_cast<const float4*>(residual));
   __syncthreads();
-  for (int v = warp; v < NORM_VIRTUAL_WARPS; v += PERSIST_WARPS) {
-    const int rank = v / WARPS_PER_RANK, thread = v % WARPS_PER_RANK * WARP_SIZE + lane;
-    float4 x[CLUSTER_ITEMS];
-    const float squares = update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(sh.residual, nullptr, rank * CLUSTER_VECTORS, x,
-                                                                         thread);
-    const float warp_total = warp_sum(squares);
-    if (lane == 0) sh.norm_sums[v] = warp_total;
-  }
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int rank = 0; rank < RMS_CLUSTER; ++rank) {
-    float block_total;
-    if (WARPS_PER_RANK == 1) {
-      block_total = sh.norm_sums[rank];
-    } else {
-      block_total = 0.0f;
-      for (int w = 0; w < WARPS_PER_RANK; ++w) block_total += sh.norm_sums[rank * WARPS_PER_RANK + w];
-    }
-    total += block_total;
-  }
-  const float inv_rms = inverse_rms(total);
-  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
-  for (int v = threadIdx.x; v < RMS_VECTORS; v += PERSIST_THREADS)
-    out[v] = normalized_halves(sh.residual[v], inv_rms, __ldg(weight4 + v));
+  normalize_row_in_block(sh.residual, weight, out, sh.norm_sums);
 }
 
 // ---------------------------------------------------------------- GEMV tiles

@@ -13,8 +13,10 @@
 //
 // Decode has one row, and one block reading it keeps a single SM busy while the rest of the
 // GPU waits: `add_rmsnorm_cluster` spreads the row over a cluster of RMS_CLUSTER blocks on as
-// many SMs, which add their sums of squares through distributed shared memory.
-#pragma once  // decode_persistent.cu includes it too, for the norm of its layers
+// many SMs, which add their sums of squares through distributed shared memory. Kernels that hold
+// the whole updated row already normalize it in one block with that kernel's bits
+// (normalize_row_in_block, at the end of this file).
+#pragma once  // gemv_int4.cu and decode_persistent.cu include it too, for normalize_row_in_block
 #include "common.cuh"
 
 constexpr int RMS_VECTORS = NQ_HIDDEN / 4;                       // float4 per row
@@ -179,4 +181,48 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* delta, const unsi
 #pragma unroll
   for (int r = 0; r < RMS_CLUSTER; ++r) total += cluster_sums[r];
   store_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(residual_row, out, row, first, x, w, inverse_rms(total));
+}
+
+// ---------------------------------------------------------------- the cluster's bits in one block
+//
+// Kernels that end with the whole updated row in one block (the decode step's o and down GEMVs,
+// in their last block, gemv_int4.cu; every block of the persistent decode kernel) normalize it
+// there, bit for bit as add_rmsnorm_cluster does: the block's warps play the cluster's
+// RMS_CLUSTER x CLUSTER_THREADS threads. Warp w plays the cluster's warps w, w + warps, ...
+// (virtual warp v is warp v % CLUSTER_WARPS of cluster block v / CLUSTER_WARPS): its lanes add
+// their slice's squares as update_slice does and warp_sum reduces them. Then every thread adds
+// each cluster block's warp sums in block_sum's order, and the blocks' sums in rank order.
+constexpr int CLUSTER_WARPS = CLUSTER_THREADS / WARP_SIZE;
+constexpr int NORM_VIRTUAL_WARPS = RMS_CLUSTER * CLUSTER_WARPS;
+
+// out = norm(row) * weight, fp16 [H]. row: the updated residual, RMS_VECTORS float4 in shared
+// memory; virtual_sums: NORM_VIRTUAL_WARPS floats of shared memory. Every thread of the block
+// calls it, after the barrier that makes the row visible.
+__device__ __forceinline__ void normalize_row_in_block(const float4* row, const unsigned short* __restrict__ weight,
+                                                       uint2* out, float* virtual_sums) {
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+  for (int v = warp; v < NORM_VIRTUAL_WARPS; v += warps) {
+    const int rank = v / CLUSTER_WARPS, thread = v % CLUSTER_WARPS * WARP_SIZE + lane;
+    float4 x[CLUSTER_ITEMS];
+    const float squares =
+        update_slice<CLUSTER_THREADS, CLUSTER_VECTORS>(row, nullptr, rank * CLUSTER_VECTORS, x, thread);
+    const float warp_total = warp_sum(squares);
+    if (lane == 0) virtual_sums[v] = warp_total;
+  }
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int rank = 0; rank < RMS_CLUSTER; ++rank) {
+    float block_total;
+    if (CLUSTER_WARPS == 1) {
+      block_total = virtual_sums[rank];
+    } else {
+      block_total = 0.0f;
+      for (int w = 0; w < CLUSTER_WARPS; ++w) block_total += virtual_sums[rank * CLUSTER_WARPS + w];
+    }
+    total += block_total;
+  }
+  const float inv_rms = inverse_rms(total);
+  const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
+  for (int v = threadIdx.x; v < RMS_VECTORS; v += blockDim.x) out[v] = normalized_halves(row[v], inv_rms, __ldg(weight4 + v));
 }

@@ -8,7 +8,8 @@ The model is small enough for the sanitizers' slowdown (2 layers, hidden 640, he
 requests reach every kernel the engine launches: a 37-token prompt (two full KV pages and a
 partly filled third; a motif twice over) through prefill, then greedy, temperature, top-k and top-p
 generations through the captured decode graph, and greedy and sampled ones with speculate=4
-through the verify passes' graphs. CuPy's memory pool
+through the verify passes' graphs, and greedy and sampled ones again with the layers in one
+persistent kernel (`CudaBackend.persistent`). CuPy's memory pool
 is switched off, so every array is an allocation of its own and an access past its end is an
 error rather than a read of a neighbour. Each run also checks its tokens against the NumPy
 backend's greedy ones, so a sanitizer that changed the schedule cannot pass a wrong answer.
@@ -38,6 +39,7 @@ NEW_TOKENS = 6
 REQUESTS = {"greedy": {}, "temperature 0.8": dict(temperature=0.8, seed=1),
             "top-k 20": dict(temperature=0.8, top_k=20, seed=2), "top-p 0.9": dict(temperature=0.8, top_p=0.9, seed=3),
             "greedy, speculate 4": dict(speculate=4), "temperature 0.8, speculate 4": dict(temperature=0.8, seed=1, speculate=4)}
+PERSISTENT_REQUESTS = ("greedy", "temperature 0.8")  # again, decoding with the persistent kernel
 TIMEOUT_S = 420
 KERNEL_NAME = re.compile(r"(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)\+0x")
 
@@ -56,11 +58,15 @@ def run_requests(model_path: Path) -> None:
     with nanoqwen.Engine(model_path, backend="numpy") as engine:
         expected = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[]).token_ids
     with nanoqwen.Engine(model_path, backend="cuda", max_context=256) as engine:
-        for label, settings in REQUESTS.items():
+        runs = [(label, settings, False) for label, settings in REQUESTS.items()]
+        runs += [(label, REQUESTS[label], True) for label in PERSISTENT_REQUESTS]
+        for label, settings, persistent in runs:
+            engine.backend.persistent = persistent
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=[], **settings)
             tokens = result.token_ids
+            label += ", persistent kernel" if persistent else ""
             if label.startswith("greedy") and tokens != expected:
-                raise SystemExit(f"greedy tokens {tokens} differ from numpy's {expected}")
+                raise SystemExit(f"{label}: tokens {tokens} differ from numpy's {expected}")
             print(f"{label}: {tokens}, {result.accepted_drafts} of {result.drafted_tokens} drafts accepted", flush=True)
         cp.cuda.Device().synchronize()
 
@@ -113,7 +119,8 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         "command": "python3 tools/sanitize_engine.py --json results/sanitizer-engine-h200.json",
-        "model": {**SHAPE, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "requests": list(REQUESTS)},
+        "model": {**SHAPE, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "requests": list(REQUESTS),
+                  "persistent_kernel_requests": list(PERSISTENT_REQUESTS)},
         "runs": rows,
     }
     if args.json:
