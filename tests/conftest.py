@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -55,7 +56,11 @@ def load_tool(name: str):
 
     spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(TOOLS_DIR))  # a tool imports its siblings (record.py) as it does when run
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(TOOLS_DIR))
     return module
 
 
