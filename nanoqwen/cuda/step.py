@@ -56,6 +56,11 @@ class GraphOption:
             backend._verify_graphs = {}
 
 
+def fp16_only(backend, enabled: bool) -> bool:
+    """A GraphOption's test for a fused form that exists only with fp16 activations."""
+    return not enabled or backend.activations == "fp16"
+
+
 class DecodeStep:
     """CudaBackend's part that allocates the decode buffers and issues one step's launches."""
 
@@ -263,12 +268,10 @@ class DecodeStep:
         "Whether decode's o and down GEMVs add their rows into the residual and normalize it in their last block "
         "(gemv_int4_add_norm, the fp16 default), instead of add_rmsnorm_cluster after them: two kernel boundaries "
         "fewer per layer, the same bits (tests/test_kernels_cuda.py).",
-        allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
-        refusal="norm_in_gemv needs fp16 activations: the INT8 path's GEMVs have no norm")
+        allowed=fp16_only, refusal="norm_in_gemv needs fp16 activations: the INT8 path's GEMVs have no norm")
 
     rope_in_qkv = GraphOption(
         "Whether decode's q|k|v GEMV rotates its rows and writes the cache itself (gemv_int4_qkv_rope, "
         "the fp16 default); off, rope_write_kv does that after the plain GEMV, as with INT8 "
         "activations, which only have that form. Both write the same bits (tests/test_kernels_cuda.py).",
-        allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
-        refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
+        allowed=fp16_only, refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
