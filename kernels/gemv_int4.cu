@@ -48,7 +48,6 @@
 // partial sums from L2 on the decode step's critical path.
 #pragma once  // verify.cu includes it too, for its multi-row kernels
 #include "common.cuh"
-#include "rmsnorm.cu"  // the norm that o_proj's and down_proj's decode kernels end with
 
 constexpr int TILE_ROWS = 16;  // rows of a weight tile (nanoqwen/quant.py, tile_int4, lays them out)
 NQ_EXPORT_INT(TILE_ROWS)
@@ -479,65 +478,6 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
-
-// ---------------------------------------------------------------- o and down with the norm after them
-//
-// In a layer, o_proj and down_proj are always followed by the same step: residual += y, then the
-// RMSNorm of the residual that the next GEMV reads (add_rmsnorm_cluster, rmsnorm.cu). In the decode
-// step these two GEMVs do it themselves. Each block adds its 16 rows into the residual; the last
-// block to finish, counted in *arrivals, normalizes the whole row in one block with the cluster
-// kernel's bits (normalize_row_in_block) and sets the count back to zero for the next launch.
-// A layer's step then has two kernel boundaries fewer; the price is the last block's arrival, one
-// round trip to L2, and its read of the row. The sums are the split-K kernel's, added to the
-// residual with the same fp32 addition the norm kernel makes, so every bit is the same.
-// grid, block: gemv_int4_split_k's for n_rows = H. Shared memory: the rings, and at least the
-// row's H fp32 (the last block copies the row where the rings were).
-//   residual fp32 [H], += W x (+ bias); weight fp16 [H], the norm's; normed fp16 [H];
-//   arrivals uint32 [1], zero between launches
-template <int K, int STAGES, bool AHEAD>
-__device__ __forceinline__ void gemv_int4_add_norm(const unsigned int* __restrict__ qweight,
-                                                   const unsigned short* __restrict__ scales,
-                                                   const unsigned short* __restrict__ bias, const unsigned short* x,
-                                                   float* residual, const unsigned short* __restrict__ weight,
-                                                   unsigned short* __restrict__ normed, unsigned* arrivals) {
-  __shared__ float virtual_sums[NORM_VIRTUAL_WARPS];
-  __shared__ bool last;
-  let_next_kernel_launch();
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = blockIdx.x * TILE_ROWS + lane / 4, row1 = row0 + 8;
-  const int rows[1][2] = {{min(row0, NQ_HIDDEN - 1), min(row1, NQ_HIDDEN - 1)}};
-  const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
-  const bool writes = threadIdx.x < TILE_ROWS && row < NQ_HIDDEN;
-  const float total = split_k_tile_row<K, STAGES, AHEAD>(qweight, scales, x, rows, [=] {
-    return writes && bias != nullptr ? half_to_float(bias[row]) : 0.0f;
-  });
-  if (writes) {
-    residual[row] += total;
-    __threadfence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) last = add_acquire_release(arrivals) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  float4* row_copy = reinterpret_cast<float4*>(gemv_shared);  // every warp is done with its ring
-  for (int v = threadIdx.x; v < RMS_VECTORS; v += blockDim.x) row_copy[v] = __ldcg(reinterpret_cast<const float4*>(residual) + v);
-  __syncthreads();
-  normalize_row_in_block(row_copy, weight, reinterpret_cast<uint2*>(normed), virtual_sums);
-  if (threadIdx.x == 0) *arrivals = 0;
-}
-
-// grid (ceil(H / 16)), block (32 splits), max(splits rings, H fp32) of shared memory
-#define NQ_GEMV_INT4_ADD_NORM_KERNEL(NAME, K, STAGES, AHEAD)                                                       \
-  __device__ int NAME##_ring_bytes = sizeof(GemvRing<STAGES, 1>);                                                  \
-  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                                      \
-      NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,                    \
-           const unsigned short* __restrict__ bias, const unsigned short* x, float* residual,                     \
-           const unsigned short* __restrict__ weight, unsigned short* __restrict__ normed, unsigned* arrivals) {  \
-    gemv_int4_add_norm<K, STAGES, AHEAD>(qweight, scales, bias, x, residual, weight, normed, arrivals);          \
-  }
-
-NQ_GEMV_INT4_ADD_NORM_KERNEL(gemv_int4_from_q_dim_add_norm, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true)
-NQ_GEMV_INT4_ADD_NORM_KERNEL(gemv_int4_from_intermediate_add_norm, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
 // and rope_write_kv (elementwise.cu) do one after the other, in one kernel.

@@ -13,10 +13,10 @@
 //
 // Decode has one row, and one block reading it keeps a single SM busy while the rest of the
 // GPU waits: `add_rmsnorm_cluster` spreads the row over a cluster of RMS_CLUSTER blocks on as
-// many SMs, which add their sums of squares through distributed shared memory. Kernels that hold
-// the whole updated row already normalize it in one block with that kernel's bits
+// many SMs, which add their sums of squares through distributed shared memory. A kernel that holds
+// the whole updated row already normalizes it in one block with that kernel's bits
 // (normalize_row_in_block, at the end of this file).
-#pragma once  // gemv_int4.cu and decode_persistent.cu include it too, for normalize_row_in_block
+#pragma once  // decode_persistent.cu includes it too, for normalize_row_in_block
 #include "common.cuh"
 
 constexpr int RMS_VECTORS = NQ_HIDDEN / 4;                       // float4 per row
@@ -185,9 +185,8 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* delta, const unsi
 
 // ---------------------------------------------------------------- the cluster's bits in one block
 //
-// Kernels that end with the whole updated row in one block (the decode step's o and down GEMVs,
-// in their last block, gemv_int4.cu; every block of the persistent decode kernel) normalize it
-// there, bit for bit as add_rmsnorm_cluster does: the block's warps play the cluster's
+// The persistent decode kernel (decode_persistent.cu) normalizes the whole updated row in each of
+// its blocks, bit for bit as add_rmsnorm_cluster does: the block's warps play the cluster's
 // RMS_CLUSTER x CLUSTER_THREADS threads. Warp w plays the cluster's warps w, w + warps, ...
 // (virtual warp v is warp v % CLUSTER_WARPS of cluster block v / CLUSTER_WARPS): its lanes add
 // their slice's squares as update_slice does and warp_sum reduces them. Then every thread adds

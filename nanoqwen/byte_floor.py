@@ -37,29 +37,21 @@ def int4_bytes(out_features: int, in_features: int, group_size: int) -> int:
     return out_features * in_features // 2 + out_features * in_features // group_size * 2
 
 
-def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True, norm_in_gemv: bool = True) -> dict[str, int]:
+def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True) -> dict[str, int]:
     """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte:
-    the step's kernels with RoPE in the q|k|v GEMV and the norms in the o and down GEMVs (the fp16
-    engine's defaults), or, not `rope_in_qkv`, with the plain GEMV and rope_write_kv
-    (CudaBackend.rope_in_qkv), and, not `norm_in_gemv`, the plain o and down GEMVs and a norm
-    kernel after each (CudaBackend.norm_in_gemv)."""
+    the step's kernels with RoPE in the q|k|v GEMV (the fp16 engine's default), or, not
+    `rope_in_qkv`, with the plain GEMV and rope_write_kv (CudaBackend.rope_in_qkv)."""
     L, H, I, g = config.num_layers, config.hidden_size, config.intermediate_size, config.group_size
     qkv = config.q_dim + 2 * config.kv_dim
     qkv_bytes = L * (int4_bytes(qkv, H, g) + 2 * qkv)  # + q, k, v biases
-    o_bytes, down_bytes = L * int4_bytes(H, config.q_dim, g), L * int4_bytes(H, I, g)
-    norm_weight = 2 * H
-    if norm_in_gemv:  # o and down read the norm weight after them; layer 0's input norm is a launch
-        norms = {"add_rmsnorm_cluster": norm_weight, "gemv_int4_from_q_dim_add_norm": o_bytes + L * norm_weight,
-                 "gemv_int4_from_intermediate_add_norm": down_bytes + L * norm_weight}
-    else:  # a norm weight each: 2 per layer + the final norm
-        norms = {"add_rmsnorm_cluster": (2 * L + 1) * norm_weight, "gemv_int4_from_q_dim": o_bytes,
-                 "gemv_int4_from_intermediate": down_bytes}
     return {
         "embed_tokens": 2 * H,  # one row of the embedding
+        "add_rmsnorm_cluster": (2 * L + 1) * 2 * H,  # a norm weight each: 2 per layer + the final norm
         **({"gemv_int4_qkv_rope": qkv_bytes} if rope_in_qkv else {"gemv_int4_from_hidden": qkv_bytes, "rope_write_kv": 0}),
         "attention_decode": L * 2 * config.kv_dim * 2 * context,  # K and V of every cached position
-        **norms,
+        "gemv_int4_from_q_dim": L * int4_bytes(H, config.q_dim, g),
         "gemv_int4_gate_up_silu": L * int4_bytes(2 * I, H, g),
+        "gemv_int4_from_intermediate": L * int4_bytes(H, I, g),
         "lm_head_logits": config.vocab_size * H * 2,
         "argmax_select_next": 0,
     }

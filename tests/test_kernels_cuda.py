@@ -29,7 +29,6 @@ from nanoqwen.reference import ops
 from nanoqwen.config import PAGE_SIZE, ModelConfig
 from nanoqwen.quant import dequantize_int4, tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
-from nanoqwen.testing import FAMILY_SHAPES
 from nanoqwen.sampling import SamplingParams, gumbel_noise, most_likely_first, nucleus, sample
 
 cp = pytest.importorskip("cupy")
@@ -695,44 +694,6 @@ def test_rope_in_the_qkv_gemv_changes_no_bit_of_a_decode_step(tiny_model):
     np.testing.assert_array_equal(runs[True][1].view(np.uint16), runs[False][1].view(np.uint16))
     assert runs[False][2] - runs[True][2] == c.num_layers
     assert not CudaBackend(tiny_model, 8, activations="int8").rope_in_qkv, "Path A keeps rope_write_kv"
-
-
-NORM_SHAPES = {**FAMILY_SHAPES,  # the cluster's blocks of one warp and of several (the 7B's four)
-               "7B widths, one layer": dict(num_layers=1, hidden_size=3584, intermediate_size=18944, num_heads=28,
-                                            num_kv_heads=4, head_dim=128, vocab_size=2048)}
-
-
-@pytest.mark.parametrize("name", NORM_SHAPES)
-def test_norms_in_the_o_and_down_gemvs_change_no_bit_of_a_decode_step(name, tmp_path):
-    """Decode's o and down GEMVs that update the residual and normalize it in their last block (the
-    fp16 default) against the plain GEMVs each followed by add_rmsnorm_cluster: the same logits
-    and cache, bit for bit, eagerly and in the graph, over steps that fill a tail page and cross
-    into the next; two launches fewer per layer; the arrival count back at zero after each step."""
-    import nanoqwen
-    from nanoqwen.testing import make_nanoqwen
-
-    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **NORM_SHAPES[name])
-    c = nanoqwen.load(path).config
-    rng = np.random.default_rng(len(name))
-    page_table = rng.permutation(8)[:4].astype(np.int32)
-    prompt = rng.integers(0, c.vocab_size, 13)
-    runs = {}
-    for folded, use_graph in ((False, True), (True, False), (True, True)):
-        gpu = CudaBackend(nanoqwen.load(path), 8)
-        assert gpu.norm_in_gemv  # the fp16 default
-        gpu.norm_in_gemv, gpu.use_graph = folded, use_graph
-        token, logits = int(np.argmax(gpu.prefill(prompt, 0, page_table))), []
-        for position in range(13, 20):
-            logits.append(gpu.decode(token, position, page_table))
-            token = int(np.argmax(logits[-1]))
-            assert int(gpu.norm_arrivals.get()[0]) == 0, "a step left the arrival count set"
-        runs[folded, use_graph] = (np.array(logits), gpu.kv_pool.get(), gpu.launches_per_token)
-    want_logits, want_cache, launches = runs[False, True]
-    for form in ((True, False), (True, True)):
-        np.testing.assert_array_equal(runs[form][0], want_logits, err_msg=f"norms folded, graph={form[1]}")
-        np.testing.assert_array_equal(runs[form][1].view(np.uint16), want_cache.view(np.uint16))
-        assert launches - runs[form][2] == 2 * c.num_layers
-    assert not CudaBackend(nanoqwen.load(path), 8, activations="int8").norm_in_gemv, "Path A keeps the norm kernels"
 
 
 def test_device_advanced_steps_match_host_driven_steps(tiny_model, attention):

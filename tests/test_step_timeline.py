@@ -80,27 +80,6 @@ def test_floors_are_the_kernels_bytes_per_launch(records):
     assert sum(kernel_bytes(config, 513).values()) == sum(kernel_bytes(config, 513, rope_in_qkv=False).values())
 
 
-def test_the_norms_in_the_o_and_down_gemvs():
-    """The engine's step (CudaBackend.norm_in_gemv): one norm launch, after the embedding; a layer
-    runs from q|k|v to down, and o and down read the norm weights that follow them."""
-    config = QWEN25_CODER_7B
-    layer = [name for name in LAYER if name != "add_rmsnorm_cluster"]
-    layer[layer.index("gemv_int4_from_q_dim")] = "gemv_int4_from_q_dim_add_norm"
-    layer[layer.index("gemv_int4_from_intermediate")] = "gemv_int4_from_intermediate_add_norm"
-    names = ["embed_tokens", "add_rmsnorm_cluster", *layer * config.num_layers, "lm_head_logits", "argmax_select_next"]
-    released = np.cumsum(np.full((1, len(names)), 2_000), axis=1)
-    summary = step_timeline.summarize(config, names, released - 500, released, released[:, -1] + 2_000.0, READ_BANDWIDTH)
-    assert [r["kernel"] for r in summary["layer_0"]] == layer
-    by_kernel = {r["kernel"]: r for r in summary["rows"]}
-    assert by_kernel["add_rmsnorm_cluster"]["launches_per_step"] == 1
-    budget = kernel_bytes(config, step_timeline.PROMPT_TOKENS + 1, norm_in_gemv=True)
-    apart = kernel_bytes(config, step_timeline.PROMPT_TOKENS + 1, norm_in_gemv=False)
-    assert budget["gemv_int4_from_q_dim_add_norm"] == apart["gemv_int4_from_q_dim"] + config.num_layers * 2 * config.hidden_size
-    assert sum(budget.values()) == sum(apart.values())
-    assert by_kernel["gemv_int4_from_q_dim_add_norm"]["floor_us_per_launch"] == pytest.approx(
-        budget["gemv_int4_from_q_dim_add_norm"] / config.num_layers / READ_BANDWIDTH * 1e6)
-
-
 class _RecordedAttention:
     """The two kernels a PagedAttention decode launches, as attributes step_launch_names swaps."""
 

@@ -38,15 +38,14 @@ import numpy as np
 
 from nanoqwen.cuda import build
 from nanoqwen.byte_floor import bytes_per_token, kernel_bytes
-from nanoqwen.cuda.plan import ADD_NORM_KERNELS, GEMV_KERNELS, QKV_ROPE_KERNEL
+from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS as PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
 from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import load
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
-          QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE", ADD_NORM_KERNELS["o"]: "o GEMV + norm",
-          ADD_NORM_KERNELS["down"]: "down GEMV + norm",
+          QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE",
           GEMV_KERNELS["o"]: "o GEMV", "paged_attention_decode": "attention (split)", "paged_attention_combine":
           "attention (combine)", "add_rmsnorm_cluster": "add_rmsnorm", "rope_write_kv": "rope_write_kv",
           "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
@@ -124,9 +123,7 @@ def summarize(config, names: list[str], start, released, step_ns, bandwidth: flo
         entry["share_us"].extend((shares[:, k] / 1e3).tolist())
         entry["head_start_us"].extend((head_starts[:, k] / 1e3).tolist())
     # the timed step reads 513 positions; RoPE has a launch of its own only where the q|k|v GEMV does not do it
-    norm_in_gemv = ADD_NORM_KERNELS["o"] in names
-    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1, rope_in_qkv="rope_write_kv" not in names,
-                               norm_in_gemv=norm_in_gemv)
+    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1, rope_in_qkv="rope_write_kv" not in names)
     floor_bytes["paged_attention_decode"] = floor_bytes.pop("attention_decode")
     rows = []
     for name, entry in per_kernel.items():
@@ -139,9 +136,8 @@ def summarize(config, names: list[str], start, released, step_ns, bandwidth: flo
             "floor_us_per_launch": bytes_per_launch / bandwidth * 1e6 if bytes_per_launch else None,
         })
     rows.sort(key=lambda r: -r["share_us_per_step"])
-    # A layer begins at its input norm, or with the norms in o and down, after layer 0's input norm
-    layer_begins = names.index("add_rmsnorm_cluster") + norm_in_gemv if "add_rmsnorm_cluster" in names else None
-    per_layer = (len(names) - 4) // config.num_layers  # but the embedding, a norm, lm_head and argmax
+    layer_begins = names.index("add_rmsnorm_cluster") if "add_rmsnorm_cluster" in names else None  # layer 0's input norm
+    per_layer = (len(names) - 4) // config.num_layers  # but the embedding, the final norm, lm_head and argmax
     one_layer = [{"kernel": names[k], "label": LABELS.get(names[k], names[k]),
                   "share_us": float(np.mean(shares[:, k]) / 1e3), "head_start_us": float(np.mean(head_starts[:, k]) / 1e3)}
                  for k in range(layer_begins, layer_begins + per_layer)] if layer_begins is not None else []
@@ -212,7 +208,7 @@ def summarize_persistent(config, records, bandwidth: float) -> dict:
         for name in sums:
             share[name].append(sums[name])
             handoff[name].append(handoffs[name])
-    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1, norm_in_gemv=False)  # the GEMVs' bytes, norms apart
+    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1)
     rows = []
     for name in names:
         if not share[name]:

@@ -8,24 +8,21 @@ the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 Decode, one token, every launch on `self.stream` (L = num_layers):
 
     embed_tokens                                   state.token -> residual (fp32)
-    add_rmsnorm_cluster                            normed = norm(residual), layer 0's input norm
     per layer:
+      add_rmsnorm_cluster  residual += down of the layer before; normed = norm(residual)
       gemv_int4_qkv_rope   normed -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16) into the
                            cache at state.position                          split K in the block
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
-      gemv_int4_from_q_dim_add_norm   residual += o attn; normed = norm(residual)   split K in the
-                                      block; the last block normalizes
+      gemv_int4_from_q_dim     attn -> o (fp32)                                split K in the block
+      add_rmsnorm_cluster  residual += o; normed = norm(residual)
       gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
-      gemv_int4_from_intermediate_add_norm   residual += down h; normed = norm(residual) with the
-                                             next layer's input norm (after the last, the final norm)
-    lm_head_logits (+ per-block argmax of the sampler's keys),
+      gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
+    add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax of the sampler's keys),
     argmax_select_next (+ top-k and top-p, when the sampler has them)
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
-add_rmsnorm takes one block per row. With `norm_in_gemv` off, or INT8 activations, o and down are
-the plain GEMVs into o and down buffers and add_rmsnorm_cluster follows each, and the final norm
-too. With INT8 activations, or `rope_in_qkv` off, q|k|v is the plain gemv_int4_from_hidden into a
-q|k|v buffer and rope_write_kv rotates and stores it.)
+add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
+the plain gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
 
 The class is assembled from its parts, one module each: weights (upload), step (buffers and one
 step's launches), pipeline (steps fed back to back, tokens read from host memory), prefill
@@ -48,8 +45,7 @@ from .device import fit_gemv_rings, set_carveout
 from .launch import StepKernel
 from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
-from .plan import (ADD_NORM_KERNELS, GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS,
-                   add_norm_shared_bytes, block_threads)
+from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
 from .verify import VerifyPass
@@ -133,7 +129,8 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
             name: StepKernel(module.get_function(name), name)
             for name in (
                 "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "gemv_int4_from_hidden", QKV_ROPE_KERNEL,
-                "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", *ADD_NORM_KERNELS.values(), "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
+                "gemv_int4_from_q_dim",
+                "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
                 *(f"{name}_{width}" for name in VERIFY_GEMVS for width in VERIFY_WIDTHS), "lm_head_logits_rows",
                 "verify_select", PERSISTENT_KERNEL,
@@ -142,8 +139,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
         for name, percent in GEMV_CARVEOUT_PERCENT.items():
             set_carveout(self.kernels[name], percent)
-            least = add_norm_shared_bytes(c) if name in ADD_NORM_KERNELS.values() else 0
-            self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name, least)
+            self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
         self._init_verify(module)
         self.gate_up_splits = GATE_UP_SPLITS
         self.threads = block_threads(c)
@@ -169,7 +165,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.prefill_weights = self._keep_dense_weights(prefill_weights)
         self.use_graph = use_graph
         self._graph = None  # captured at the first graph decode
-        self.rope_in_qkv = self.norm_in_gemv = activations == "fp16"
+        self.rope_in_qkv = activations == "fp16"
         self.pdl = pdl
         self.persistent = persistent and self._persistent_layers is not None
         self._device_holds = None  # (token, position, page table) the device state holds for the next step

@@ -30,11 +30,11 @@ def mapped_host_array(shape, dtype) -> tuple[np.ndarray, object]:
     return array, memory
 
 
-def fit_gemv_rings(kernel, module, name: str, least_bytes: int = 0) -> int:
+def fit_gemv_rings(kernel, module, name: str) -> int:
     """Let GEMV `kernel` (`module`'s `name`) take the dynamic shared memory of its largest block,
-    one ring per warp, and at least `least_bytes`; returns one warp's ring bytes, which gemv_launch takes."""
+    one ring per warp; returns one warp's ring bytes, which gemv_launch takes."""
     ring_bytes = build.module_int(module, f"{name}_ring_bytes")
-    kernel.max_dynamic_shared_size_bytes = max(GEMV_MAX_WARPS[name] * ring_bytes, least_bytes)
+    kernel.max_dynamic_shared_size_bytes = GEMV_MAX_WARPS[name] * ring_bytes
     return ring_bytes
 
 

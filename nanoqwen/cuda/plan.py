@@ -35,9 +35,6 @@ MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6
 # groups; each warp's range then fits its ring and is requested whole before the wait.
 CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
-# Decode's o and down with the residual update and the norm after it (CudaBackend.norm_in_gemv):
-# the split-K GEMV's work, its rings and its carve-out, and a last block that normalizes.
-ADD_NORM_KERNELS = {"o": "gemv_int4_from_q_dim_add_norm", "down": "gemv_int4_from_intermediate_add_norm"}
 # Decode's fp16 q|k|v: gemv_int4_from_hidden's work with RoPE and the cache write in its epilogue.
 QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
 # Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
@@ -48,16 +45,14 @@ QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
 # can change its split of L1 and shared memory only when it is empty.
 GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, QKV_ROPE_KERNEL: 50, "gemv_int4_from_q_dim": 50,
                          "gemv_int4_from_intermediate": 100, "gemv_int4_gate_up_silu": -1}
-GEMV_CARVEOUT_PERCENT.update({ADD_NORM_KERNELS[p]: GEMV_CARVEOUT_PERCENT[GEMV_KERNELS[p]] for p in ADD_NORM_KERNELS})
 # GEMV kernel -> the macro of kernels/gemv_int4.cu that sets its ring depth
 GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", QKV_ROPE_KERNEL: "NQ_FROM_HIDDEN_STAGES",
                       "gemv_int4_from_q_dim": "NQ_FROM_Q_DIM_STAGES",
                       "gemv_int4_from_intermediate": "NQ_FROM_INTERMEDIATE_STAGES",
                       "gemv_int4_gate_up_silu": "NQ_GATE_UP_STAGES"}
-GEMV_STAGES_MACROS.update({ADD_NORM_KERNELS[p]: GEMV_STAGES_MACROS[GEMV_KERNELS[p]] for p in ADD_NORM_KERNELS})
 # GEMV kernel -> the most warps (splits) a block holds; each warp has a ring of shared memory, whose
 # size the module's `__device__ int <kernel>_ring_bytes` holds.
-GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in (*GEMV_KERNELS.values(), *ADD_NORM_KERNELS.values(), QKV_ROPE_KERNEL)},
+GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in (*GEMV_KERNELS.values(), QKV_ROPE_KERNEL)},
                   "gemv_int4_gate_up_silu": GATE_UP_MAX_SPLITS}
 
 
@@ -102,12 +97,6 @@ def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[t
     if not 1 <= splits <= most:
         raise ValueError(f"a {kernel} block holds 1..{most} splits, got {splits}")
     return (-(-rows // TILE_ROWS),), (splits * 32,), splits * ring_bytes
-
-
-def add_norm_shared_bytes(config) -> int:
-    """The least dynamic shared memory of an add-and-norm GEMV (ADD_NORM_KERNELS): its last block
-    copies the residual row, fp32 [H], where the rings were."""
-    return 4 * config.hidden_size
 
 
 def planned_ring_bytes(name: str, stages: int, group_size: int) -> int:

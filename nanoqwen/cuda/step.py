@@ -23,7 +23,7 @@ from .abi import (
     STATE_TOKEN,
 )
 from .device import NULL, mapped_host_array, persistent_blocks
-from .plan import ADD_NORM_KERNELS, GEMV_KERNELS, QKV_ROPE_KERNEL, add_norm_shared_bytes, gemv_launch
+from .plan import GEMV_KERNELS, QKV_ROPE_KERNEL, gemv_launch
 from .sampler import sampler_settings
 from .weights import DeviceLinear
 
@@ -54,11 +54,6 @@ class GraphOption:
             setattr(backend, self.attribute, enabled)
             backend._graph = None
             backend._verify_graphs = {}
-
-
-def fp16_only(backend, enabled: bool) -> bool:
-    """A GraphOption's test for a fused form that exists only with fp16 activations."""
-    return not enabled or backend.activations == "fp16"
 
 
 class DecodeStep:
@@ -95,10 +90,6 @@ class DecodeStep:
         self._sampler_holds = sampler_settings(GREEDY, c.vocab_size)  # greedy until a request says otherwise
         self.sampler = cp.asarray(self._sampler_holds)
         self.prefill_start = cp.zeros(1, dtype=cp.int32)
-        # The blocks of an o or down GEMV that has finished (norm_in_gemv): its last block normalizes
-        # the residual and sets the count back to zero. One counter serves both: each of those
-        # kernels counts only after the one before it has ended.
-        self.norm_arrivals = cp.zeros(1, dtype=cp.uint32)
 
     def _add_rmsnorm(self, residual, delta, weight, out, rows: int, cluster: bool = False) -> None:
         """residual += delta (None: nothing to add); out = norm(residual), for `rows` rows: one block
@@ -115,18 +106,6 @@ class DecodeStep:
             (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, y,
              np.int32(linear.out_features)),
             shared_mem=shared_mem,
-        )
-
-    def _gemv_add_norm(self, layer: int, name: str, x, norm_weight) -> None:
-        """residual += projection `name` ("o" or "down") of x; normed = norm(residual) * norm_weight:
-        the GEMV's last block normalizes (kernels/gemv_int4.cu, gemv_int4_add_norm)."""
-        kernel, linear = ADD_NORM_KERNELS[name], getattr(self.layers[layer], name)
-        grid, block, shared_mem = gemv_launch(kernel, linear.out_features, linear.splits, self.gemv_ring_bytes[kernel])
-        self.kernels[kernel](
-            grid, block,
-            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, self.residual, norm_weight,
-             self.normed, self.norm_arrivals),
-            shared_mem=max(shared_mem, add_norm_shared_bytes(self.config)),
         )
 
     def _rope_write_kv(self, qkv, positions_base, layer: int, q_out, num_tokens: int) -> None:
@@ -190,11 +169,9 @@ class DecodeStep:
             return 4  # embed_tokens, decode_layers_persistent, lm_head_logits, argmax_select_next
         attention = getattr(self.attention, "launches_per_decode", 1)
         # Path B: norm, q|k|v (+ RoPE unless rope_in_qkv is off), o, norm, gate+up, down; Path A
-        # adds a quantize launch per projection and SwiGLU apart. With norm_in_gemv, o and down
-        # make the norms after them: only the first layer's norm is a launch of its own.
+        # adds a quantize launch per projection and SwiGLU apart
         per_layer = (6 if self.rope_in_qkv else 7) if self.activations == "fp16" else 12
-        folded_norms = 2 * self.config.num_layers if self.norm_in_gemv else 0
-        return 1 + self.config.num_layers * (per_layer + attention) + 3 - folded_norms
+        return 1 + self.config.num_layers * (per_layer + attention) + 3
 
     def decode_step_launches(self, stream) -> int:
         """Issue one decode step on `stream` from the inputs in `state`; returns the launch count.
@@ -223,8 +200,7 @@ class DecodeStep:
         with stream:
             down = None  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
-                if i == 0 or not self.norm_in_gemv:
-                    self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
+                self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
                 if self.rope_in_qkv:
                     self._qkv_rope(i)
                 else:
@@ -232,20 +208,12 @@ class DecodeStep:
                     self._rope_write_kv(self.qkv_out, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
-                if self.norm_in_gemv:
-                    self._gemv_add_norm(i, "o", self.attn_out, layer.post_norm)
-                else:
-                    self._project(i, "o", self.attn_out, self.o_out)
-                    self._add_rmsnorm(self.residual, self.o_out, layer.post_norm, self.normed, 1, cluster=True)
+                self._project(i, "o", self.attn_out, self.o_out)
+                self._add_rmsnorm(self.residual, self.o_out, layer.post_norm, self.normed, 1, cluster=True)
                 self._mlp_hidden(i)
-                if self.norm_in_gemv:  # the next layer's input norm, after the last layer the final one
-                    next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-                    self._gemv_add_norm(i, "down", self.mlp_hidden, next_norm)
-                else:
-                    self._project(i, "down", self.mlp_hidden, self.down_out)
-                    down = self.down_out
-            if not self.norm_in_gemv:
-                self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
+                self._project(i, "down", self.mlp_hidden, self.down_out)
+                down = self.down_out
+            self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
 
     def decode_graph(self):
         """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda.graph)."""
@@ -264,14 +232,9 @@ class DecodeStep:
         allowed=lambda backend, enabled: not enabled or backend._persistent_layers is not None,
         refusal="this backend cannot decode with the persistent kernel (INT8 activations, or a substitute attention)")
 
-    norm_in_gemv = GraphOption(
-        "Whether decode's o and down GEMVs add their rows into the residual and normalize it in their last block "
-        "(gemv_int4_add_norm, the fp16 default), instead of add_rmsnorm_cluster after them: two kernel boundaries "
-        "fewer per layer, the same bits (tests/test_kernels_cuda.py).",
-        allowed=fp16_only, refusal="norm_in_gemv needs fp16 activations: the INT8 path's GEMVs have no norm")
-
     rope_in_qkv = GraphOption(
         "Whether decode's q|k|v GEMV rotates its rows and writes the cache itself (gemv_int4_qkv_rope, "
         "the fp16 default); off, rope_write_kv does that after the plain GEMV, as with INT8 "
         "activations, which only have that form. Both write the same bits (tests/test_kernels_cuda.py).",
-        allowed=fp16_only, refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
+        allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
+        refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
