@@ -18,6 +18,7 @@ until the last)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -38,7 +39,8 @@ def measure(model_path: Path, prompt_tokens: int, bandwidth: float) -> dict:
     from nanoqwen.byte_floor import floor_ms
 
     pool = cp.get_default_memory_pool()
-    pool.free_all_blocks()  # what an earlier size's engine left cached is not this one's
+    gc.collect()  # an earlier size's engine, held by reference cycles until collected
+    pool.free_all_blocks()  # and what it left cached, are not this one's
     engine = Engine(model_path, backend="cuda", max_context=prompt_tokens + NEW_TOKENS)
     try:
         ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
