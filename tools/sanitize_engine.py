@@ -1,7 +1,7 @@
 """compute-sanitizer over a whole generation on the CUDA engine: memcheck, racecheck, synccheck and
 initcheck, each in its own process, each over the same requests.
 
-    python3 tools/sanitize_engine.py --json results/sanitizer-engine-h200.json   # on a GPU machine
+    python3 tools/sanitize_engine.py --json results/sanitizer-engine-h100.json   # on a GPU machine (named by it)
 
 The model is small enough for the sanitizers' slowdown (2 layers, hidden 640, heads 5:1, MLP
 1792, tied lm_head; `nanoqwen.testing`'s weights, whose logits have clear winners), and the
@@ -22,7 +22,6 @@ kernels must have none.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
 import shutil
@@ -30,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from record import record_header
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1, head_dim=128,
@@ -92,8 +93,6 @@ def main() -> int:
         run_requests(args.child)
         return 0
 
-    import cupy as cp
-
     from nanoqwen.testing import make_nanoqwen
 
     model_path = make_nanoqwen(Path(tempfile.mkdtemp()), tokenizer=False, **SHAPE)
@@ -115,10 +114,10 @@ def main() -> int:
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
             (args.logs / f"sanitizer-{tool}.txt").write_text(text)
+    tools = [] if args.tools == list(TOOLS) else ["--tools", *args.tools]
+    json_name = f"results/{args.json.name}" if args.json else "results/sanitizer-engine-GPU.json"
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "command": "python3 tools/sanitize_engine.py --json results/sanitizer-engine-h200.json",
+        **record_header(" ".join(["python3", "tools/sanitize_engine.py", *tools, "--json", json_name])),
         "model": {**SHAPE, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "requests": list(REQUESTS),
                   "persistent_kernel_requests": list(PERSISTENT_REQUESTS)},
         "runs": rows,
