@@ -51,6 +51,13 @@ NQ_EXPORT_INT(STATUS_NOT_FINITE)
 NQ_EXPORT_INT(STATUS_HOST_DRAWS)
 NQ_EXPORT_INT(ELEMENTWISE_THREADS)
 
+// The GPU's global clock (%globaltimer), in ns.
+__device__ __forceinline__ unsigned long long global_time_ns() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
 // ---------------------------------------------------------------- programmatic dependent launch
 //
 // Inside the decode graph every kernel is launched with programmatic stream serialization
@@ -75,13 +82,6 @@ NQ_EXPORT_INT(ELEMENTWISE_THREADS)
 // returns only after that one has finished, which was after that one's wait. Two counters, so
 // that no shared-memory variable carries a slot from one call to the other: a few bytes more per
 // block can cost a kernel a block per SM, and a GEMV of one wave a second wave.
-// The GPU's global clock (%globaltimer), in ns.
-__device__ __forceinline__ unsigned long long global_time_ns() {
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-
 #ifdef NQ_TRACE
 // Set by the host; until then (capacity 0) nothing is recorded.
 __device__ unsigned long long* nq_trace_starts;    // [capacity]
@@ -106,15 +106,6 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #ifdef NQ_TRACE
   trace_time(nq_trace_releases, nq_trace_counters + 1);
 #endif
-}
-
-// One more arrival at a counter in global memory; returns the count before it. Acquire and release
-// at GPU scope: what this block wrote before (behind a fence and a barrier) is visible to the
-// block that sees the last arrival, and what the others wrote is visible to it.
-__device__ __forceinline__ unsigned add_acquire_release(unsigned* address) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(address) : "memory");
-  return old;
 }
 
 // ---------------------------------------------------------------- half precision as bits

@@ -170,6 +170,11 @@ __device__ __forceinline__ void add_release(unsigned* address) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(address) : "memory");
 }
 
+__device__ __forceinline__ unsigned add_acquire_release(unsigned* address) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(address) : "memory");
+  return old;
+}
 
 #ifdef NQ_TRACE
 // tools/step_timeline.py: thread 0 of every block records, for each operation of each layer it
@@ -299,6 +304,17 @@ __device__ __forceinline__ float split_total(const float* partials, int tile, in
   float total = __ldcg(sums) + start;
   for (int s = 1; s < splits; ++s) total += __ldcg(sums + (size_t)s * TILES * TILE_ROWS);
   return total;
+}
+
+// o's and down's finish: the last split of tile `tile` to arrive adds the tile's sums into its 16
+// rows of the residual, and its warp counts the tile on *counter.
+__device__ __forceinline__ void add_to_residual(float* residual, float* split_partials, unsigned* tile_arrivals, int tile,
+                                                int split, int splits, const float (&acc)[1][2], unsigned* counter) {
+  if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, splits, acc)) return;
+  const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
+  if (lane < TILE_ROWS && row < NQ_HIDDEN)
+    residual[row] = __ldcg(residual + row) + split_total<1>(split_partials, tile, splits, 0, lane, 0.0f);
+  warp_signal(counter);
 }
 
 // A warp's (tile, split) pairs of one GEMV: pairs first, first + PERSIST_WARPS, ... < end of the
@@ -648,11 +664,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
         layer_done + (combined ? OP_COMBINE : OP_ATTENTION), combined ? NQ_NUM_HEADS : PA_KVH, ring_of_warp(), sh,
         PlainTileRows<NQ_HIDDEN>{}, [&] { load_x<NQ_Q_DIM>(sh, attn_out); },
         [&](int tile, int split, const float(&acc)[1][2]) {
-          if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, o_splits, acc)) return;
-          const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
-          if (lane < TILE_ROWS && row < NQ_HIDDEN)
-            residual[row] = __ldcg(residual + row) + split_total<1>(split_partials, tile, o_splits, 0, lane, 0.0f);
-          warp_signal(layer_done + OP_O);
+          add_to_residual(residual, split_partials, tile_arrivals, tile, split, o_splits, acc, layer_done + OP_O);
         },
         tracer(OP_O));
 
@@ -678,11 +690,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
         weights(LAYER_DOWN_QWEIGHT), halves(LAYER_DOWN_SCALES), HIDDEN_TILES, down_splits, layer_done + OP_GATE_UP,
         MLP_TILES, ring_of_warp(), sh, PlainTileRows<NQ_HIDDEN>{}, [&] { load_x<NQ_INTERMEDIATE>(sh, mlp_hidden); },
         [&](int tile, int split, const float(&acc)[1][2]) {
-          if (!arrive_split<1>(split_partials, tile_arrivals, tile, split, down_splits, acc)) return;
-          const int lane = threadIdx.x % WARP_SIZE, row = tile * TILE_ROWS + lane;
-          if (lane < TILE_ROWS && row < NQ_HIDDEN)
-            residual[row] = __ldcg(residual + row) + split_total<1>(split_partials, tile, down_splits, 0, lane, 0.0f);
-          warp_signal(layer_done + OP_DOWN);
+          add_to_residual(residual, split_partials, tile_arrivals, tile, split, down_splits, acc, layer_done + OP_DOWN);
         },
         tracer(OP_DOWN));
   }

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from nanoqwen.book.persistent_model import OPERATIONS, attention_division, block_share, play, step_operations
+from nanoqwen.book.persistent_model import OPERATIONS, block_share, play, step_operations
 from nanoqwen.config import ModelConfig
-from nanoqwen.cuda.attention import decode_splits
+from nanoqwen.cuda.attention import decode_splits, split_pages
 from nanoqwen.cuda.plan import GATE_UP_SPLITS, projection_splits
 from nanoqwen.random_model import PRESETS
 from nanoqwen.testing import DEFAULT_CONFIG, FAMILY_SHAPES
@@ -34,7 +34,7 @@ def test_every_wait_is_met(name, num_sms, context):
     ops = step_operations(config, splits_of(config, num_sms), context, attention_splits)
     finished = play(ops, num_sms)
     assert {k for _, k in finished} == set(range(len(ops)))  # every operation had a block
-    _, active = attention_division(context, attention_splits)
+    active = len(split_pages(context, attention_splits))
     assert len(ops) == config.num_layers * (len(OPERATIONS) - (active == 1))  # no combine for one split
 
 

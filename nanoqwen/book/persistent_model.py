@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import PAGE_SIZE, ModelConfig
+from ..config import ModelConfig
+from ..cuda.attention import split_pages
+from ..quant import TILE_ROWS
 
-TILE_ROWS = 16
 OPERATIONS = ("q|k|v + RoPE", "attention", "combine", "o", "gate+up", "down")
 
 
@@ -38,14 +39,6 @@ class Operation:
         return self.units // self.splits
 
 
-def attention_division(context: int, attention_splits: int) -> tuple[int, int]:
-    """(pages per split, active splits) of a step attending over `context` positions, as the decode
-    attention divides its pages."""
-    pages = -(-context // PAGE_SIZE)
-    per_split = -(-pages // attention_splits)
-    return per_split, -(-pages // per_split)
-
-
 def step_operations(config: ModelConfig, splits: dict[str, int], context: int, attention_splits: int) -> list[Operation]:
     """Every operation of a decode step in the order the blocks walk them; `splits` holds the GEMVs'
     splits of K ("qkv", "o", "gate_up", "down", as the decode kernels split them)."""
@@ -53,7 +46,7 @@ def step_operations(config: ModelConfig, splits: dict[str, int], context: int, a
     qkv_tiles = (c.q_dim + 2 * c.kv_dim) // TILE_ROWS
     hidden_tiles = -(-c.hidden_size // TILE_ROWS)
     mlp_tiles = -(-c.intermediate_size // TILE_ROWS)
-    _, active = attention_division(context, attention_splits)
+    active = len(split_pages(context, attention_splits))  # the attention's splits with pages
     ops: list[Operation] = []
     for layer in range(c.num_layers):
         down_before = len(ops) - 1 if layer else None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import build
-from .abi import LAYER_POINTERS, OPS_PER_LAYER, PERSIST_THREADS, kernel_int
+from .abi import LAYER_POINTERS, OPS_PER_LAYER, PERSIST_THREADS, TILE_ROWS, kernel_int
 from .device import set_carveout
 from .plan import GATE_UP_SPLITS
 
@@ -79,7 +79,7 @@ class PersistentLayers:
         self.splits = {"qkv": first.qkv.splits, "o": first.o.splits, "gate_up": GATE_UP_SPLITS, "down": first.down.splits}
         hidden, mlp = (build.module_int(module, f"abi_{name}_TILES") for name in ("HIDDEN", "MLP"))
         tiles = {"qkv": build.module_int(module, "abi_QKV_TILES"), "o": hidden, "gate_up": mlp, "down": hidden}
-        sums_per_pair = {"qkv": 16, "o": 16, "gate_up": 32, "down": 16}  # one or two tiles of 16 rows
+        sums_per_pair = {k: (2 if k == "gate_up" else 1) * TILE_ROWS for k in tiles}  # gate+up's pairs hold two tiles
         self.split_partials = cp.empty(max(tiles[k] * self.splits[k] * sums_per_pair[k] for k in tiles), dtype=cp.float32)
         self.tile_arrivals = cp.zeros(max(tiles.values()), dtype=cp.uint32)
         self.done = cp.zeros(c.num_layers * OPS_PER_LAYER, dtype=cp.uint32)
