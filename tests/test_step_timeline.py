@@ -61,7 +61,7 @@ def test_head_starts_and_the_first_layer(records):
 def test_floors_are_the_kernels_bytes_per_launch(records):
     config, names, start, released, step_ns, _ = records
     by_kernel = {r["kernel"]: r for r in step_timeline.summarize(config, names, start, released, step_ns, READ_BANDWIDTH)["rows"]}
-    budget = kernel_bytes(config, step_timeline.PROMPT_TOKENS + 1)
+    budget = kernel_bytes(config, step_timeline.STEP_PROMPT_TOKENS + 1)
     gate_up = budget["gemv_int4_gate_up_silu"] / config.num_layers / READ_BANDWIDTH * 1e6
     assert by_kernel["gemv_int4_gate_up_silu"]["floor_us_per_launch"] == pytest.approx(gate_up)
     assert by_kernel["paged_attention_decode"]["floor_us_per_launch"] == pytest.approx(

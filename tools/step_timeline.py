@@ -39,7 +39,7 @@ import numpy as np
 from nanoqwen.cuda import build
 from nanoqwen.byte_floor import bytes_per_token, kernel_bytes
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
-from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS as PROMPT_TOKENS
+from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
 from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import load
@@ -51,9 +51,9 @@ LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down 
           "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
 
 
-def traced_backend(model):
-    """A prompted CudaBackend whose kernel modules are compiled with NQ_TRACE; returns
-    (backend, page_table, modules)."""
+def traced_backend(model, prompt_tokens: int):
+    """A CudaBackend holding a prompt of `prompt_tokens` tokens, its kernel modules compiled with
+    NQ_TRACE; returns (backend, page_table, modules)."""
     modules, compile_module = [], build.compile_module
 
     def compile_traced(config, files=build.DECODER_KERNEL_FILES, extra_defines=None):
@@ -63,7 +63,7 @@ def traced_backend(model):
 
     build.compile_module = compile_traced
     try:
-        backend, page_table = prompted_backend(model)
+        backend, page_table = prompted_backend(model, prompt_tokens)
     finally:
         build.compile_module = compile_module
     return backend, page_table, modules
@@ -82,8 +82,8 @@ def point_modules_at(modules, starts, releases, counters) -> None:
     cp.cuda.Device().synchronize()
 
 
-def record_steps(backend, page_table, modules, launches: int, steps: int):
-    """Replays the decode graph `steps` times from the prompt's end; returns (start, wait
+def record_steps(backend, page_table, prompt_tokens: int, modules, launches: int, steps: int):
+    """Replays the decode graph `steps` times from the end of a prompt of `prompt_tokens`; returns (start, wait
     returned) in ns, each [steps, launches], and the GPU-event time of every step in ns."""
     import cupy as cp
 
@@ -91,7 +91,7 @@ def record_steps(backend, page_table, modules, launches: int, steps: int):
     counters = cp.zeros(2, dtype=cp.uint32)
     graph = backend.decode_graph()
     point_modules_at(modules, starts, releases, counters)
-    backend.set_step_inputs(1, PROMPT_TOKENS, page_table)
+    backend.set_step_inputs(1, prompt_tokens, page_table)
     stream, step_ns = backend.stream, []
     cp.cuda.Device().synchronize()
     counters.fill(0)
@@ -107,7 +107,8 @@ def record_steps(backend, page_table, modules, launches: int, steps: int):
     return start, released, np.array(step_ns)
 
 
-def summarize(config, names: list[str], start, released, step_ns, bandwidth: float) -> dict:
+def summarize(config, names: list[str], start, released, step_ns, bandwidth: float,
+              prompt_tokens: int = STEP_PROMPT_TOKENS) -> dict:
     """Per kernel: its mean share of the step (from its wait returning to the next kernel's) and
     head start (from its start to its wait returning), in µs, over every step and launch."""
     shares = np.empty_like(released)
@@ -122,8 +123,8 @@ def summarize(config, names: list[str], start, released, step_ns, bandwidth: flo
         entry["launches_per_step"] += 1
         entry["share_us"].extend((shares[:, k] / 1e3).tolist())
         entry["head_start_us"].extend((head_starts[:, k] / 1e3).tolist())
-    # the timed step reads 513 positions; RoPE has a launch of its own only where the q|k|v GEMV does not do it
-    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1, rope_in_qkv="rope_write_kv" not in names)
+    # the timed step reads the prompt's positions and its own; RoPE has a launch of its own only where the q|k|v GEMV does not do it
+    floor_bytes = kernel_bytes(config, prompt_tokens + 1, rope_in_qkv="rope_write_kv" not in names)
     floor_bytes["paged_attention_decode"] = floor_bytes.pop("attention_decode")
     rows = []
     for name, entry in per_kernel.items():
@@ -153,8 +154,8 @@ OPERATIONS = {"q|k|v + RoPE": QKV_ROPE_KERNEL, "attention": "attention_decode", 
               "o": GEMV_KERNELS["o"], "gate+up + SwiGLU": "gemv_int4_gate_up_silu", "down": GEMV_KERNELS["down"]}
 
 
-def record_persistent_steps(backend, page_table, modules, steps: int):
-    """The persistent kernel's trace of `steps` decode steps from the prompt's end: ns [steps, blocks,
+def record_persistent_steps(backend, page_table, prompt_tokens: int, modules, steps: int):
+    """The persistent kernel's trace of `steps` decode steps from the end of a prompt of `prompt_tokens`: ns [steps, blocks,
     layers, operations, moments (began, waited, done)], 0 where a block took no part."""
     import cupy as cp
 
@@ -170,7 +171,7 @@ def record_persistent_steps(backend, page_table, modules, steps: int):
             continue
     backend.persistent = True
     graph = backend.decode_graph()
-    backend.set_step_inputs(1, PROMPT_TOKENS, page_table)
+    backend.set_step_inputs(1, prompt_tokens, page_table)
     records = []
     for _ in range(steps):
         trace.fill(0)
@@ -180,7 +181,7 @@ def record_persistent_steps(backend, page_table, modules, steps: int):
     return np.stack(records)
 
 
-def summarize_persistent(config, records, bandwidth: float) -> dict:
+def summarize_persistent(config, records, bandwidth: float, prompt_tokens: int = STEP_PROMPT_TOKENS) -> dict:
     """Per operation: its share of the step and its hand-off (see the module's docstring), in µs, the
     mean over steps of their sums over layers, and the blocks taking part."""
     names = list(OPERATIONS)
@@ -208,7 +209,7 @@ def summarize_persistent(config, records, bandwidth: float) -> dict:
         for name in sums:
             share[name].append(sums[name])
             handoff[name].append(handoffs[name])
-    floor_bytes = kernel_bytes(config, PROMPT_TOKENS + 1)
+    floor_bytes = kernel_bytes(config, prompt_tokens + 1)
     rows = []
     for name in names:
         if not share[name]:
@@ -227,6 +228,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
     parser.add_argument("--steps", type=int, default=TIMING_STEPS)
+    parser.add_argument("--context", type=int, default=STEP_PROMPT_TOKENS,
+                        help="tokens of the random prompt the timed steps follow (default %(default)s)")
     parser.add_argument("--without-pdl", action="store_true",
                         help="capture the step without programmatic dependent launch: every kernel starts after the last")
     parser.add_argument("--json", type=Path, help="write the summary and every recorded time here")
@@ -236,14 +239,14 @@ def main(argv=None) -> int:
 
     bandwidth = read_bandwidth()  # the floors' divisor, measured on this GPU
     model = load(args.model)
-    backend, page_table, modules = traced_backend(model)
+    backend, page_table, modules = traced_backend(model, args.context)
     backend.pdl = not args.without_pdl
     persistent = backend._persistent_layers is not None  # this backend can also run the persistent kernel
     backend.persistent = False  # first the step with a kernel per operation
     names = step_launch_names(backend)
-    start, released, step_ns = record_steps(backend, page_table, modules, len(names), args.steps)
-    summary = summarize(model.config, names, start, released, step_ns, bandwidth)
-    floor_us = sum(bytes_per_token(model.config, PROMPT_TOKENS).values()) / bandwidth * 1e6
+    start, released, step_ns = record_steps(backend, page_table, args.context, modules, len(names), args.steps)
+    summary = summarize(model.config, names, start, released, step_ns, bandwidth, args.context)
+    floor_us = sum(bytes_per_token(model.config, args.context).values()) / bandwidth * 1e6
     print(f"traced step {summary['step_us']:.1f} us (median of {args.steps}), shares add up to "
           f"{summary['shares_sum_us']:.1f}; byte floor {floor_us:.1f} us; {len(names)} launches; "
           f"smallest clock step seen {summary['clock_smallest_nonzero_step_ns']} ns")
@@ -254,8 +257,8 @@ def main(argv=None) -> int:
               f"{floor:>12s} {r['head_start_us_per_launch']:10.2f}")
     print("layer 0, in order:", ", ".join(f"{r['label']} {r['share_us']:.2f}" for r in summary["layer_0"]))
     if persistent:
-        inside = summarize_persistent(model.config, record_persistent_steps(backend, page_table, modules, args.steps),
-                                      bandwidth)
+        records = record_persistent_steps(backend, page_table, args.context, modules, args.steps)
+        inside = summarize_persistent(model.config, records, bandwidth, args.context)
         summary["persistent"] = inside
         print(f"persistent kernel: the layers take {inside['layers_us']:.1f} us (mean of {args.steps} steps)")
         print(f"{'operation':18s} {'us/step':>8s} {'us/layer':>9s} {'floor/layer':>11s} {'hand-off':>9s} {'blocks':>6s}")
