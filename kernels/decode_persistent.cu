@@ -568,7 +568,7 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     step.position = state[STATE_POSITION], step.seq_len = state[STATE_SEQ_LEN];
     // The attention's division of the sequence, as paged_attention_decode makes it.
     const int num_pages = (step.seq_len + PA_PAGE - 1) / PA_PAGE;
-    step.pages_per_split = (num_pages + attention_splits - 1) / attention_splits;
+    step.pages_per_split = decode_pages_per_split(num_pages, attention_splits);
     step.active_splits = (num_pages + step.pages_per_split - 1) / step.pages_per_split;
   }
   __syncthreads();

@@ -126,7 +126,7 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   // still runs, so that after the wait the first copies and q are one round trip away.
   const int seq_len = *seq_len_ptr + row;
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
-  const int pages_per_split = (num_pages + splits - 1) / splits;
+  const int pages_per_split = decode_pages_per_split(num_pages, splits);
   if (seq_len <= 0 || split * pages_per_split >= num_pages) {
     wait_for_previous_kernel();  // an idle block waits too, or the chain of completions breaks
     return;  // the whole block: no barrier yet
@@ -145,25 +145,37 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   // The block's one __syncthreads, before the roles part: every thread reaches it, and after
   // it every thread sees initialized barriers.
   __syncthreads();
+
+  // Producer: page i of the block into stage i % DECODE_STAGES (round i / DECODE_STAGES).
+  const unsigned short* head_base = kv + (long long)kv_head * PA_SLICE;
+  auto copy_page = [&](int i) {
+    const int stage = i % DECODE_STAGES, round = i / DECODE_STAGES;
+    if (i > 0 && i % WARP_SIZE == 0 && i + lane < block_pages) page_id = page_table[first_page + i + lane];
+    const int page = __shfl_sync(FULL_MASK, page_id, i % WARP_SIZE);
+    PRODUCER_WAIT_STAGE_FREE(stage, round);
+    if (lane == 0) mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);  // armed before any byte lands
+    __syncwarp();
+    if (lane < DECODE_COPIES) {  // lane r copies run r of K and of V
+      const unsigned short* k_run = head_base + page * PA_PAGE_STRIDE + lane * DECODE_COPY_ROWS * PA_D;
+      bulk_copy_to_shared(sh.kv[stage][0] + lane * DECODE_RUN, k_run, DECODE_COPY_BYTES, &sh.full[stage]);
+      bulk_copy_to_shared(sh.kv[stage][1] + lane * DECODE_RUN, k_run + PA_KVH * PA_SLICE, DECODE_COPY_BYTES,
+                          &sh.full[stage]);
+    }
+    PRODUCER_AFTER_ISSUE(stage, round);
+  };
+  // The pages wholly before the step's first new position were written by earlier steps, never by a
+  // kernel of this one (which writes only the new rows): the first stages' worth of them are
+  // requested before the wait, so that at long contexts the cache streams in while q|k|v finishes.
+  int pages_ahead = 0;
+  if (warp == 0) {
+    const int finished_pages = (*seq_len_ptr - 1) / PA_PAGE;
+    pages_ahead = max(0, min(min(block_pages, DECODE_STAGES), finished_pages - first_page));
+    for (int i = 0; i < pages_ahead; ++i) copy_page(i);
+  }
   wait_for_previous_kernel();  // q and the new token's K/V are rope_write_kv's
 
   if (warp == 0) {  // ------------------------------------------------ producer
-    const unsigned short* head_base = kv + (long long)kv_head * PA_SLICE;
-    for (int i = 0; i < block_pages; ++i) {
-      const int stage = i % DECODE_STAGES, round = i / DECODE_STAGES;
-      if (i > 0 && i % WARP_SIZE == 0 && i + lane < block_pages) page_id = page_table[first_page + i + lane];
-      const int page = __shfl_sync(FULL_MASK, page_id, i % WARP_SIZE);
-      PRODUCER_WAIT_STAGE_FREE(stage, round);
-      if (lane == 0) mbar_arrive_expect_tx(&sh.full[stage], 2 * PA_SLICE_BYTES);  // armed before any byte lands
-      __syncwarp();
-      if (lane < DECODE_COPIES) {  // lane r copies run r of K and of V
-        const unsigned short* k_run = head_base + page * PA_PAGE_STRIDE + lane * DECODE_COPY_ROWS * PA_D;
-        bulk_copy_to_shared(sh.kv[stage][0] + lane * DECODE_RUN, k_run, DECODE_COPY_BYTES, &sh.full[stage]);
-        bulk_copy_to_shared(sh.kv[stage][1] + lane * DECODE_RUN, k_run + PA_KVH * PA_SLICE, DECODE_COPY_BYTES,
-                            &sh.full[stage]);
-      }
-      PRODUCER_AFTER_ISSUE(stage, round);
-    }
+    for (int i = pages_ahead; i < block_pages; ++i) copy_page(i);
     return;  // the copies land on their own; the consumers wait for them
   }
 
@@ -218,7 +230,7 @@ paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
   out += (long long)row * PA_KVH * PA_GQA * PA_D;
   const int seq_len = *seq_len_ptr + row;  // a step input, as in the decode kernel: read before the wait
   const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
-  const int pages_per_split = (num_pages + splits - 1) / splits;
+  const int pages_per_split = decode_pages_per_split(num_pages, splits);
   wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's
   if (seq_len <= 0) return;
   const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;

@@ -221,6 +221,20 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
   }
 }
 
+// ---------------------------------------------------------------- the division of a sequence
+// Pages per block of a decode grid of `splits` blocks per KV head, which nanoqwen.cuda.attention
+// (decode_splits) sizes for two blocks per SM. A sequence of at most `splits` pages gets a block
+// per page: short contexts are latency-bound, and a one-page block skips the merge of its consumer
+// warps. A longer one is cut into equal runs for half the grid, one block per SM: fewer, longer
+// blocks leave the combine half the partials, and one block's shared memory fits an SM beside the
+// blocks of the GEMVs before and after it (chapter 5 measures both divisions).
+// nanoqwen.cuda.attention.split_pages is the same rule on the host.
+__device__ __forceinline__ int decode_pages_per_split(int num_pages, int splits) {
+  if (num_pages <= splits) return 1;
+  const int blocks = (splits + 1) / 2;
+  return (num_pages + blocks - 1) / blocks;
+}
+
 // ---------------------------------------------------------------- a block's result
 // Row of a split's partials for KV head kv_head: [num_kv_heads, splits, GQA, ...].
 __device__ __forceinline__ size_t split_row_of(int kv_head, int split, int splits) {

@@ -40,6 +40,11 @@ def test_split_pages_cover_the_sequence_once():
             pages = [p for first, count in ranges for p in range(first, first + count)]
             assert pages == list(range(-(-seq_len // PAGE_SIZE)))
             assert all(count > 0 for _, count in ranges)
+            if len(pages) <= splits:  # a block per page while the pages fit the grid
+                assert all(count == 1 for _, count in ranges)
+            else:  # else equal runs for half the grid, one block per SM
+                assert len(ranges) <= -(-splits // 2)
+                assert len({count for _, count in ranges[:-1]}) <= 1
 
 
 def test_decode_grid_fills_the_gpu_but_never_exceeds_the_pages():

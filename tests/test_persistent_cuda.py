@@ -27,10 +27,10 @@ SHAPES = {**FAMILY_SHAPES,
 PAGES = 8
 PROMPT_TOKENS = 77  # 4 full pages and 13 rows of a fifth
 DECODE_STEPS = 20  # to position 96: into a seventh page
-# The decode attention's splits of the 128 positions: the default (one page per split at this
-# context), 4 (two pages per split: the consumer warps merge) and 1 (the whole sequence in one
-# split: no combine).
-ATTENTION_SPLITS = {"one page per split": None, "two pages per split": 4, "one split": 1}
+# The decode attention's splits of the 97 positions: the default (one page per split at this
+# context), 4 (more pages than splits: runs of 3-4 pages for half of them, whose consumer warps
+# merge) and 1 (the whole sequence in one split: no combine).
+ATTENTION_SPLITS = {"one page per split": None, "runs of pages": 4, "one split": 1}
 
 
 def run(backend, prompt, pages, tokens):
