@@ -13,6 +13,7 @@ attention's barriers) could overlap.
 
     python3 -m nanoqwen.random_model /tmp/q7b.nanoqwen --preset qwen2.5-coder-7b
     python3 tools/step_timeline.py /tmp/q7b.nanoqwen --json results/step-timeline-h200.json
+    python3 tools/step_timeline.py /tmp/q7b.nanoqwen --context 4096     # the steps after 4K tokens
 
 The records cost each kernel two atomics and two stores in one thread, about 0.3 µs per launch
 on an H200: compare the traced step printed here with `nanoqwen bench`'s graph step.
