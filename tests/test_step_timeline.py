@@ -152,3 +152,17 @@ def test_the_persistent_kernels_operations_add_up_to_its_layers():
     assert summary["layers_us"] == pytest.approx(np.mean(last_done - first_begun) / 1e3)
     assert sum(r["share_us_per_step"] for r in summary["operations"]) == pytest.approx(summary["layers_us"])
     assert all(0.5 <= r["handoff_us_per_layer"] <= 1.5 for r in summary["operations"][1:])
+
+
+def test_attention_floor_follows_the_context_the_steps_follow(records):
+    """--context: the floors are the bytes of a step after that many tokens, attention's growing with it."""
+    config, names, start, released, step_ns, _ = records
+    floors = {}
+    for context in (step_timeline.STEP_PROMPT_TOKENS, 4096):
+        rows = step_timeline.summarize(config, names, start, released, step_ns, READ_BANDWIDTH, prompt_tokens=context)["rows"]
+        floors[context] = {r["kernel"]: r["floor_us_per_launch"] for r in rows}
+        budget = kernel_bytes(config, context + 1)
+        assert floors[context]["paged_attention_decode"] == pytest.approx(
+            budget["attention_decode"] / config.num_layers / READ_BANDWIDTH * 1e6)
+    assert floors[4096]["paged_attention_decode"] > 7 * floors[step_timeline.STEP_PROMPT_TOKENS]["paged_attention_decode"]
+    assert floors[4096]["gemv_int4_gate_up_silu"] == floors[step_timeline.STEP_PROMPT_TOKENS]["gemv_int4_gate_up_silu"]
