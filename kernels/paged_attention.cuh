@@ -226,8 +226,9 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 // (decode_splits) sizes for two blocks per SM. A sequence of at most `splits` pages gets a block
 // per page: short contexts are latency-bound, and a one-page block skips the merge of its consumer
 // warps. A longer one is cut into equal runs for half the grid, one block per SM: fewer, longer
-// blocks leave the combine half the partials, and one block's shared memory fits an SM beside the
-// blocks of the GEMVs before and after it (chapter 5 measures both divisions).
+// blocks leave the combine half the partials, and at 4K and 16K positions they beat two blocks per
+// SM, even two whose shallower rings fit an SM beside the GEMVs' blocks (chapter 5 and the
+// experiments appendix give the figures).
 // nanoqwen.cuda.attention.split_pages is the same rule on the host.
 __device__ __forceinline__ int decode_pages_per_split(int num_pages, int splits) {
   if (num_pages <= splits) return 1;
