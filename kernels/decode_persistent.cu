@@ -567,9 +567,8 @@ decode_layers_persistent(const unsigned long long* __restrict__ layer_table, con
     StepInputs& step = sh.step;
     step.position = state[STATE_POSITION], step.seq_len = state[STATE_SEQ_LEN];
     // The attention's division of the sequence, as paged_attention_decode makes it.
-    const int num_pages = (step.seq_len + PA_PAGE - 1) / PA_PAGE;
-    step.pages_per_split = decode_pages_per_split(num_pages, attention_splits);
-    step.active_splits = (num_pages + step.pages_per_split - 1) / step.pages_per_split;
+    const SequenceDivision division = divide_sequence(step.seq_len, attention_splits);
+    step.pages_per_split = division.pages_per_split, step.active_splits = division.active_splits;
   }
   __syncthreads();
   const int* page_table = state + STATE_PAGE_TABLE;

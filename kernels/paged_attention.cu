@@ -125,13 +125,11 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   // step: the block reads them, picks its pages and sets up its barriers while rope_write_kv
   // still runs, so that after the wait the first copies and q are one round trip away.
   const int seq_len = *seq_len_ptr + row;
-  const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
-  const int pages_per_split = decode_pages_per_split(num_pages, splits);
+  const auto [num_pages, pages_per_split, active_splits] = divide_sequence(seq_len, splits);
   if (seq_len <= 0 || split * pages_per_split >= num_pages) {
     wait_for_previous_kernel();  // an idle block waits too, or the chain of completions breaks
     return;  // the whole block: no barrier yet
   }
-  const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;
   const int first_page = split * pages_per_split;
   const int block_pages = min(pages_per_split, num_pages - first_page);
   // Producer lane l holds the id of the block's page 32 r + l while the producer is at round r
@@ -168,7 +166,7 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   // requested before the wait, so that at long contexts the cache streams in while q|k|v finishes.
   int pages_ahead = 0;
   if (warp == 0) {
-    const int finished_pages = (*seq_len_ptr - 1) / PA_PAGE;
+    const int finished_pages = (seq_len - row - 1) / PA_PAGE;  // pages before row 0's new token
     pages_ahead = max(0, min(min(block_pages, DECODE_STAGES), finished_pages - first_page));
     for (int i = 0; i < pages_ahead; ++i) copy_page(i);
   }
@@ -229,11 +227,9 @@ paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
   partial_acc += (long long)row * PA_KVH * splits * PA_GQA * PA_D;
   out += (long long)row * PA_KVH * PA_GQA * PA_D;
   const int seq_len = *seq_len_ptr + row;  // a step input, as in the decode kernel: read before the wait
-  const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
-  const int pages_per_split = decode_pages_per_split(num_pages, splits);
+  const int active_splits = divide_sequence(seq_len, splits).active_splits;
   wait_for_previous_kernel();  // before the early exits: the partials are the decode kernel's
   if (seq_len <= 0) return;
-  const int active_splits = (num_pages + pages_per_split - 1) / pages_per_split;
   if (active_splits == 1) return;  // the decode kernel wrote the output itself
   combine_head(blockIdx.x, blockIdx.y, threadIdx.x / WARP_SIZE, threadIdx.x % WARP_SIZE, splits, active_splits,
                partial_max_sum, partial_acc, out, sh, [] { __syncthreads(); });

@@ -222,18 +222,25 @@ __device__ __forceinline__ void decode_page(const unsigned short* k_slice, const
 }
 
 // ---------------------------------------------------------------- the division of a sequence
-// Pages per block of a decode grid of `splits` blocks per KV head, which nanoqwen.cuda.attention
-// (decode_splits) sizes for two blocks per SM. A sequence of at most `splits` pages gets a block
-// per page: short contexts are latency-bound, and a one-page block skips the merge of its consumer
-// warps. A longer one is cut into equal runs for half the grid, one block per SM: fewer, longer
-// blocks leave the combine half the partials, and at 4K and 16K positions they beat two blocks per
-// SM, even two whose shallower rings fit an SM beside the GEMVs' blocks (chapter 5 and the
-// experiments appendix give the figures).
-// nanoqwen.cuda.attention.split_pages is the same rule on the host.
-__device__ __forceinline__ int decode_pages_per_split(int num_pages, int splits) {
-  if (num_pages <= splits) return 1;
-  const int blocks = (splits + 1) / 2;
-  return (num_pages + blocks - 1) / blocks;
+// How a decode grid of `splits` blocks per KV head, which nanoqwen.cuda.attention (decode_splits)
+// sizes for two blocks per SM, divides a sequence of `seq_len` positions. While its pages fit the
+// grid, each gets a block: short contexts are latency-bound, and a one-page block skips the merge of
+// its consumer warps. A longer sequence is cut into equal runs for half the grid, one block per SM:
+// fewer, longer blocks leave the combine half the partials, and at 4K and 16K positions they beat
+// two blocks per SM, even two whose shallower rings fit an SM beside the GEMVs' blocks (chapter 5
+// and the experiments appendix give the figures). The decode kernel, the combine and the persistent
+// kernel all divide with it; nanoqwen.cuda.attention.split_pages is the same rule on the host.
+struct SequenceDivision {
+  int num_pages;        // pages the sequence touches
+  int pages_per_split;  // pages of every block but the last busy one
+  int active_splits;    // blocks with pages
+};
+
+__host__ __device__ __forceinline__ SequenceDivision divide_sequence(int seq_len, int splits) {
+  const int num_pages = (seq_len + PA_PAGE - 1) / PA_PAGE;
+  const int half_grid = (splits + 1) / 2;
+  const int pages_per_split = num_pages <= splits ? 1 : (num_pages + half_grid - 1) / half_grid;
+  return {num_pages, pages_per_split, (num_pages + pages_per_split - 1) / pages_per_split};
 }
 
 // ---------------------------------------------------------------- a block's result

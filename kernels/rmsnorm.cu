@@ -212,13 +212,8 @@ __device__ __forceinline__ void normalize_row_in_block(const float4* row, const 
   float total = 0.0f;
 #pragma unroll
   for (int rank = 0; rank < RMS_CLUSTER; ++rank) {
-    float block_total;
-    if (CLUSTER_WARPS == 1) {
-      block_total = virtual_sums[rank];
-    } else {
-      block_total = 0.0f;
-      for (int w = 0; w < CLUSTER_WARPS; ++w) block_total += virtual_sums[rank * CLUSTER_WARPS + w];
-    }
+    float block_total = 0.0f;  // block_sum's order; with one warp, 0 + its sum is that sum exactly
+    for (int w = 0; w < CLUSTER_WARPS; ++w) block_total += virtual_sums[rank * CLUSTER_WARPS + w];
     total += block_total;
   }
   const float inv_rms = inverse_rms(total);

@@ -7,6 +7,9 @@ sanitizers and the timings.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -45,6 +48,40 @@ def test_split_pages_cover_the_sequence_once():
             else:  # else equal runs for half the grid, one block per SM
                 assert len(ranges) <= -(-splits // 2)
                 assert len({count for _, count in ranges[:-1]}) <= 1
+
+
+DIVISION_PROGRAM = r"""
+#include "paged_attention.cuh"
+#include <cstdio>
+int main() {
+  for (int splits : {1, 2, 3, 17, 33, 66, 132})
+    for (int seq_len = 1; seq_len <= 4500; seq_len += 7) {
+      const SequenceDivision d = divide_sequence(seq_len, splits);
+      std::printf("%d %d %d %d %d\n", seq_len, splits, d.num_pages, d.pages_per_split, d.active_splits);
+    }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_kernels_divide_a_sequence_as_split_pages_does(tmp_path):
+    """divide_sequence (kernels/paged_attention.cuh), which the decode, combine and persistent kernels
+    divide by, built for the host and run over lengths and grids: split_pages is its host copy."""
+    from nanoqwen.cuda import build
+
+    source, program = tmp_path / "division.cu", tmp_path / "division"
+    source.write_text(DIVISION_PROGRAM)
+    defines = build.define_options(build.kernel_defines(QWEN25_CODER_7B))
+    compiled = subprocess.run(["nvcc", "-std=c++17", build.NVCC_ARCH, f"-I{build.kernel_dir()}", *defines,
+                               "-o", str(program), str(source)], capture_output=True, text=True, timeout=300)
+    assert compiled.returncode == 0, compiled.stderr[-4000:]
+    lines = subprocess.run([str(program)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(lines) == 7 * len(range(1, 4501, 7))
+    for line in lines:
+        seq_len, splits, num_pages, pages_per_split, active_splits = map(int, line.split())
+        ranges = split_pages(seq_len, splits)
+        assert num_pages == -(-seq_len // PAGE_SIZE)
+        assert (pages_per_split, active_splits) == (ranges[0][1], len(ranges)), line
 
 
 def test_decode_grid_fills_the_gpu_but_never_exceeds_the_pages():

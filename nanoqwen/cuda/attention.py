@@ -70,7 +70,7 @@ def decode_splits(num_kv_heads: int, max_seq_len: int, num_sms: int, blocks_per_
 def split_pages(seq_len: int, splits: int) -> list[tuple[int, int]]:
     """(first page, page count) of each block that has work, as the decode kernel divides a
     sequence of `seq_len` positions among a grid of `splits` blocks per KV head
-    (kernels/paged_attention.cuh, decode_pages_per_split): a block per page while the pages fit
+    (kernels/paged_attention.cuh, divide_sequence): a block per page while the pages fit
     the grid, else equal runs of whole pages for half of it, one block per SM."""
     num_pages = -(-seq_len // PAGE_SIZE)
     if num_pages == 0:
