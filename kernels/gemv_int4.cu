@@ -54,15 +54,17 @@ NQ_EXPORT_INT(TILE_ROWS)
 constexpr int WORDS_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16 words = 64 bytes per row and group
 constexpr int SPLIT_K_MAX_WARPS = 16;  // a split-K block's warps
 NQ_EXPORT_INT(SPLIT_K_MAX_WARPS)
+// q|k|v and o compile for this many blocks of SPLIT_K_MAX_WARPS warps per SM (64 registers a thread
+// on Hopper), so that the plan knows how many of their blocks an SM holds at any split
+// (plan.chain_splits) before anything is compiled.
+constexpr int CHAIN_GEMV_MIN_BLOCKS = 2;
+NQ_EXPORT_INT(CHAIN_GEMV_MIN_BLOCKS)
 constexpr int X_PIECES_PER_GROUP = NQ_GROUP_SIZE / 8;  // 16-byte pieces of x per group (16)
 // Groups in each warp's shared-memory ring (1 KB of weights per tile and 256 bytes of x per
 // group), one depth per kernel. A depth matters inside the decode step, where each GEMV fills its
-// ring while the kernel before it still runs, and together with the kernel's shared-memory
-// carve-out (nanoqwen/cuda/plan.py, GEMV_CARVEOUT_PERCENT) it decides how many blocks an SM
-// holds, and so how the blocks spread over the SMs: down_proj's 224 blocks of 10 warps keep 6
-// groups in flight per warp, two blocks per SM at the full carve-out; q|k|v and o, whose warps
-// have at most 3 groups each (plan.CHAIN_GEMV_GROUPS_PER_SPLIT), run 3 deep, three blocks of 10
-// warps per SM at half the carve-out.
+// ring while the kernel before it still runs: down_proj's 224 blocks of 10 warps keep 6 groups in
+// flight per warp, two blocks per SM; q|k|v and o run 3 deep, so that their registers stay within
+// CHAIN_GEMV_MIN_BLOCKS' bound whatever their split.
 #ifndef NQ_GATE_UP_STAGES
 #define NQ_GATE_UP_STAGES 4
 #endif
@@ -464,20 +466,20 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
 // One kernel per input width, so that K (and the ring depth) is a compile-time constant in each;
 // NAME_ring_bytes, one warp's ring, is read by the host to size the launch.
 // grid (ceil(n_rows / 16)), block (32 splits, splits <= SPLIT_K_MAX_WARPS), splits rings of shared memory
-#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES, AHEAD)                                                        \
+#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES, AHEAD, MIN_BLOCKS)                                            \
   __device__ int NAME##_ring_bytes = sizeof(GemvRing<STAGES, 1>);                                          \
-  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)                              \
+  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, MIN_BLOCKS)                  \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows) {                                                                                   \
     gemv_int4_split_k<K, STAGES, AHEAD>(qweight, scales, bias, x, y, n_rows);                              \
   }
 
-// q|k|v and o request their warps' whole ranges before the wait (AHEAD); down_proj's 15 groups per
-// warp do not fit a ring.
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false)
+// q|k|v and o request their ranges' first groups before the wait (AHEAD: the whole range where it
+// fits the ring); down_proj's 15 groups per warp do not fit a ring.
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false, 1)
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
 // and rope_write_kv (elementwise.cu) do one after the other, in one kernel.
@@ -533,7 +535,7 @@ __device__ __forceinline__ void store_qkv_dim(int head_slot, int dim, float tota
       float_to_half(is_key ? rotated : total);
 }
 
-extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE)
+extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, CHAIN_GEMV_MIN_BLOCKS)
 gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                    const unsigned short* __restrict__ bias, const unsigned short* x,
                    const int* __restrict__ positions, const float* __restrict__ inv_freq,

@@ -62,28 +62,59 @@ def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
     assert GEMV_STAGES_MACROS.keys() == GEMV_CARVEOUT_PERCENT.keys() == GEMV_MAX_WARPS.keys()
     for kernel, macro in GEMV_STAGES_MACROS.items():
         assert re.fullmatch(r"[1-9]\d*", depths.get(macro, "")), macro
-        split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}, \w+\)", source)
+        split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}, \w+, \w+\)", source)
         assert split_k or f"__device__ int {kernel}_ring_bytes" in source, kernel
 
 
-def test_chain_gemv_splits_fit_their_rings():
-    """q|k|v and o split K until no warp has more groups than CHAIN_GEMV_GROUPS_PER_SPLIT, and their
-    rings hold that many, so every group of a split is a ring slot of its own; down_proj keeps the
-    warps-per-SM rule. The 7B on an H200 gets ten warps per tile for all three."""
-    from nanoqwen.cuda.abi import GEMV_MAX_SPLITS
-    from nanoqwen.cuda.plan import CHAIN_GEMV_GROUPS_PER_SPLIT, GEMV_KERNELS, GEMV_STAGES_MACROS, gemv_splits, projection_splits
-    from nanoqwen.cuda.build import macro_defaults
-    from nanoqwen.random_model import QWEN25_CODER_7B as c
+# (warps per block, registers per thread, blocks per SM): the driver's occupancy answers for GEMV
+# blocks with 3-deep rings on an H100, among them register counts of deeper rings
+DRIVER_RESIDENT_BLOCKS = [(3, 64, 10), (4, 64, 8), (6, 64, 5), (7, 64, 4), (8, 64, 4), (10, 64, 3), (14, 64, 2),
+                          (16, 64, 2), (12, 55, 3), (7, 76, 3), (10, 76, 2), (8, 78, 3), (5, 82, 4), (7, 82, 2)]
 
-    depths = macro_defaults("gemv_int4.cu")
-    for projection, most in CHAIN_GEMV_GROUPS_PER_SPLIT.items():
-        assert int(depths[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]]) >= most, projection
-        for groups in (1, 2, 7, 12, 28, 47, 300):
-            splits = projection_splits(projection, 512, groups * 128, 132)
-            assert 1 <= splits <= GEMV_MAX_SPLITS
-            assert -(-groups // splits) <= most or splits == GEMV_MAX_SPLITS, (projection, groups, splits)
-    splits = {p: projection_splits(p, n, k, 132) for p, (n, k) in c.projection_shapes.items() if p in GEMV_KERNELS}
-    assert splits == {"qkv": 10, "o": 10, "down": 10}
+
+@pytest.mark.parametrize("warps, registers, blocks", DRIVER_RESIDENT_BLOCKS)
+def test_resident_blocks_counts_as_the_driver_does(warps, registers, blocks):
+    """Registers go to warps from their scheduler's quarter of the file, which is why 7 warps of 82
+    registers fit twice, not three times."""
+    from nanoqwen.cuda.plan import resident_blocks
+
+    assert resident_blocks(warps, registers, warps * 3 * 1280 + 1024) == blocks
+
+
+def test_chain_gemvs_take_the_most_warps_that_fit_one_wave():
+    """q|k|v and o get the most warps per tile (at most one group each, at most a block's) with which
+    every block is resident at once within the projection's share of an SM, and one warp more per
+    tile would not fit; down_proj keeps the warps-per-SM rule. The published shapes on Hopper's 132
+    SMs: the 7B's q|k|v ten warps per tile and o twelve; the 14B's and 32B's eight each, where
+    fourteen warps of three groups took two waves."""
+    from nanoqwen.cuda.abi import GEMV_MAX_SPLITS
+    from nanoqwen.cuda.plan import (
+        CHAIN_GEMV_SM_SHARE, HOPPER_SM, chain_block_shared_bytes, chain_gemv_registers, gemv_splits, projection_splits,
+        resident_blocks,
+    )
+    from nanoqwen.random_model import PRESETS
+
+    def one_wave(projection, rows, splits, sms):
+        share = CHAIN_GEMV_SM_SHARE[projection]
+        budget = HOPPER_SM._replace(registers=int(HOPPER_SM.registers * share), threads=int(HOPPER_SM.threads * share))
+        blocks = resident_blocks(splits, chain_gemv_registers(), chain_block_shared_bytes(splits, 128), budget)
+        return -(-rows // 16) <= sms * blocks
+
+    assert chain_gemv_registers() == 64
+    for projection in ("qkv", "o"):
+        for rows in (16, 100, 1152, 4608, 7168, 40000):
+            for groups in (1, 3, 7, 28, 40, 300):
+                for sms in (8, 114, 132):
+                    splits = projection_splits(projection, rows, groups * 128, sms, sm=HOPPER_SM)
+                    assert 1 <= splits <= min(groups, GEMV_MAX_SPLITS)
+                    assert splits == 1 or one_wave(projection, rows, splits, sms), (projection, rows, groups, sms)
+                    if splits < min(groups, GEMV_MAX_SPLITS):
+                        assert not one_wave(projection, rows, splits + 1, sms), (projection, rows, groups, sms)
+    splits = {name: {p: projection_splits(p, *config.projection_shapes[p], 132) for p in ("qkv", "o", "down")}
+              for name, config in PRESETS.items()}
+    assert splits["qwen2.5-coder-7b"] == {"qkv": 10, "o": 12, "down": 10}
+    assert splits["qwen2.5-coder-14b"] == splits["qwen2.5-coder-32b"] == {"qkv": 8, "o": 8, "down": 7}
+    assert splits["qwen2.5-coder-0.5b"]["qkv"] == 7  # one group per warp: 896 inputs
     assert projection_splits("down", 3584, 18944, 132) == gemv_splits(3584, 18944, 132)
 
 

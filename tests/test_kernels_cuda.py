@@ -38,9 +38,10 @@ pytestmark = pytest.mark.gpu
 from nanoqwen.cuda.abi import ARGMAX_THREADS, GATE_UP_MAX_SPLITS, GEMV_MAX_SPLITS, LM_HEAD_THREADS, RMS_CLUSTER  # noqa: E402
 from nanoqwen.cuda.abi import STATUS_HOST_DRAWS, TOP_K_MAX  # noqa: E402
 from nanoqwen.cuda.backend import CudaBackend  # noqa: E402
-from nanoqwen.cuda.device import NULL, fit_gemv_rings, mapped_host_array, persistent_blocks  # noqa: E402
+from nanoqwen.cuda.device import NULL, fit_gemv_rings, mapped_host_array, persistent_blocks, set_carveout, sm_budget  # noqa: E402
 from nanoqwen.cuda.plan import (  # noqa: E402
-    GEMV_KERNELS, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, block_threads, gemv_launch, planned_ring_bytes, projection_splits,
+    GEMV_CARVEOUT_PERCENT, GEMV_KERNELS, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, block_threads, chain_block_shared_bytes,
+    chain_gemv_registers, gemv_launch, planned_ring_bytes, projection_splits, resident_blocks,
 )
 from nanoqwen.cuda.sampler import sampler_settings  # noqa: E402
 
@@ -183,6 +184,25 @@ def test_planned_ring_bytes_match_the_device(config_name):
     for name, macro in GEMV_STAGES_MACROS.items():
         planned = planned_ring_bytes(name, int(stages[macro]), CONFIGS[config_name].group_size)
         assert planned == build.module_int(module(config_name), f"{name}_ring_bytes"), name
+
+
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_the_device_holds_the_chain_gemvs_blocks_the_plan_counts(config_name):
+    """plan.chain_splits picks q|k|v's and o's split from resident_blocks without a GPU: the compiled
+    kernels stay within its register bound, and at every split the driver fits at least as many
+    of their blocks per SM as the plan counts."""
+    sm = sm_budget(cp.cuda.Device())
+    group_size = CONFIGS[config_name].group_size
+    for name in ("gemv_int4_from_hidden", QKV_ROPE_KERNEL, "gemv_int4_from_q_dim"):
+        function = kernel(config_name, name)
+        assert function.attributes["num_regs"] <= chain_gemv_registers(sm), name
+        set_carveout(function, GEMV_CARVEOUT_PERCENT[name])
+        ring_bytes = fit_gemv_rings(function, module(config_name), name)
+        for splits in range(1, GEMV_MAX_SPLITS + 1):
+            planned = resident_blocks(splits, chain_gemv_registers(sm), chain_block_shared_bytes(splits, group_size), sm)
+            driver = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, splits * 32,
+                                                                             splits * ring_bytes)
+            assert driver >= planned, (name, splits, driver, planned)
 
 
 @pytest.mark.parametrize("split_choice", ["one", "backend", "a block's most"])

@@ -50,7 +50,8 @@ SOURCES = {
     "STATE_STATUS": "common.cuh", "STATE_PAGE_TABLE": "common.cuh",
     "STATUS_NOT_FINITE": "common.cuh", "STATUS_HOST_DRAWS": "common.cuh",
     "ELEMENTWISE_THREADS": "common.cuh",
-    "TILE_ROWS": "gemv_int4.cu", "SPLIT_K_MAX_WARPS": "gemv_int4.cu", "GATE_UP_MAX_SPLITS": "gemv_int4.cu",
+    "TILE_ROWS": "gemv_int4.cu", "SPLIT_K_MAX_WARPS": "gemv_int4.cu", "CHAIN_GEMV_MIN_BLOCKS": "gemv_int4.cu",
+    "GATE_UP_MAX_SPLITS": "gemv_int4.cu",
     "RMS_CLUSTER": "rmsnorm.cu", "LM_THREADS": "lm_head.cu",
     "ARGMAX_THREADS": "sampler.cu", "TOP_K_MAX": "sampler.cu",
     "VERIFY_ROWS": "verify.cu", "NARROW_ROWS": "verify.cu",
@@ -73,6 +74,7 @@ STATUS_HOST_DRAWS = _source("STATUS_HOST_DRAWS")
 ELEMENTWISE_THREADS = _source("ELEMENTWISE_THREADS")
 TILE_ROWS = _source("TILE_ROWS")
 GEMV_MAX_SPLITS = _source("SPLIT_K_MAX_WARPS")  # warps of a split-K GEMV block
+CHAIN_GEMV_MIN_BLOCKS = _source("CHAIN_GEMV_MIN_BLOCKS")  # q|k|v's and o's largest blocks an SM must hold
 GATE_UP_MAX_SPLITS = _source("GATE_UP_MAX_SPLITS")  # warps of a gate+up block
 RMS_CLUSTER = _source("RMS_CLUSTER")  # blocks of add_rmsnorm_cluster's clusters
 LM_HEAD_THREADS = _source("LM_THREADS")

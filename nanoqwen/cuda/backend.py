@@ -41,7 +41,7 @@ from ..loader import Model
 from ..reference import ops
 from . import abi, build
 from .attention import check_config
-from .device import fit_gemv_rings, set_carveout
+from .device import fit_gemv_rings, set_carveout, sm_budget
 from .launch import StepKernel
 from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
@@ -121,6 +121,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.max_seq_len = min(c.max_position_embeddings, self.num_pages * PAGE_SIZE)
         self.max_pages_per_seq = pages_needed(self.max_seq_len)
         self.num_sms = device.attributes["MultiProcessorCount"]
+        self.sm = sm_budget(device)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
         module = build.compile_module(c)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import build
-from .plan import GEMV_MAX_WARPS
+from .plan import GEMV_MAX_WARPS, SmBudget
 
 NULL = np.uint64(0)  # a null pointer kernel argument
 
@@ -36,6 +36,15 @@ def fit_gemv_rings(kernel, module, name: str) -> int:
     ring_bytes = build.module_int(module, f"{name}_ring_bytes")
     kernel.max_dynamic_shared_size_bytes = GEMV_MAX_WARPS[name] * ring_bytes
     return ring_bytes
+
+
+def sm_budget(device) -> SmBudget:
+    """What one SM of `device` (a cupy.cuda.Device) holds at once, for the plan's residency counts."""
+    attributes = device.attributes
+    return SmBudget(registers=attributes["MaxRegistersPerMultiprocessor"],
+                    threads=attributes["MaxThreadsPerMultiProcessor"],
+                    blocks=attributes["MaxBlocksPerMultiprocessor"],
+                    shared_bytes=attributes["MaxSharedMemoryPerMultiprocessor"])
 
 
 def set_carveout(kernel, percent: int) -> None:

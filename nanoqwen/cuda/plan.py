@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..quant import TILE_ROWS
+from .build import macro_defaults
 from .abi import (
     ARGMAX_THREADS,
+    CHAIN_GEMV_MIN_BLOCKS,
     GATE_UP_MAX_SPLITS,
     GEMV_MAX_SPLITS,
     LM_HEAD_THREADS,
@@ -30,20 +32,14 @@ GATE_UP_SPLITS = 2
 # down_proj's split. Fewer leave bytes unrequested; more make each warp's range too short.
 GEMV_WARPS_PER_SM = 16
 MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6 groups) idle
-# q|k|v and o sit on the step's chain of small kernels, where what a warp still has to multiply
-# after its wait is the kernel's time. So they split K until no warp has more than this many
-# groups; each warp's range then fits its ring and is requested whole before the wait.
-CHAIN_GEMV_GROUPS_PER_SPLIT = {"qkv": 3, "o": 3}
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
 # Decode's fp16 q|k|v: gemv_int4_from_hidden's work with RoPE and the cache write in its epilogue.
 QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
 # Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
-# driver's choice). With its ring depth (kernels/gemv_int4.cu, NQ_*_STAGES) it sets how many of the
-# kernel's blocks an SM holds, and so where they land when they start early, beside the kernel
-# before them: q|k|v and o three blocks per SM at half the capacity; down_proj, with 6-deep rings,
-# two at the full capacity, the configuration gate+up (the kernel before it) runs in, since an SM
-# can change its split of L1 and shared memory only when it is empty.
-GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 50, QKV_ROPE_KERNEL: 50, "gemv_int4_from_q_dim": 50,
+# driver's choice). An SM can change its split of L1 and shared memory only when it is empty, so
+# the GEMVs, whose blocks start early beside the kernel before them, all ask for the whole
+# capacity, the split gate+up's blocks get from the driver.
+GEMV_CARVEOUT_PERCENT = {"gemv_int4_from_hidden": 100, QKV_ROPE_KERNEL: 100, "gemv_int4_from_q_dim": 100,
                          "gemv_int4_from_intermediate": 100, "gemv_int4_gate_up_silu": -1}
 # GEMV kernel -> the macro of kernels/gemv_int4.cu that sets its ring depth
 GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", QKV_ROPE_KERNEL: "NQ_FROM_HIDDEN_STAGES",
@@ -54,6 +50,68 @@ GEMV_STAGES_MACROS = {"gemv_int4_from_hidden": "NQ_FROM_HIDDEN_STAGES", QKV_ROPE
 # size the module's `__device__ int <kernel>_ring_bytes` holds.
 GEMV_MAX_WARPS = {**{name: GEMV_MAX_SPLITS for name in (*GEMV_KERNELS.values(), QKV_ROPE_KERNEL)},
                   "gemv_int4_gate_up_silu": GATE_UP_MAX_SPLITS}
+
+
+class SmBudget(NamedTuple):
+    """What one SM holds at once (the device's attributes); Hopper's are the defaults, so that the
+    plan runs without a GPU."""
+    registers: int = 65536
+    threads: int = 2048
+    blocks: int = 32
+    shared_bytes: int = 228 * 1024
+
+
+HOPPER_SM = SmBudget()
+# An SM hands out registers per warp in units of 256, from the quarter of its file that belongs to
+# the scheduler the warp runs on, and keeps 1 KiB of shared memory for each resident block.
+REGISTER_UNIT, SCHEDULERS_PER_SM, SHARED_RESERVED_PER_BLOCK = 256, 4, 1024
+
+
+def resident_blocks(warps: int, registers: int, shared_bytes: int, sm: SmBudget = HOPPER_SM) -> int:
+    """How many blocks of `warps` warps, `registers` per thread and `shared_bytes` of shared memory
+    (static and dynamic) an SM holds at once, as the driver's occupancy calculation counts them."""
+    warp_registers = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    warps_by_registers = sm.registers // SCHEDULERS_PER_SM // warp_registers * SCHEDULERS_PER_SM
+    return min(warps_by_registers // warps, sm.threads // (32 * warps), sm.blocks,
+               sm.shared_bytes // (shared_bytes + SHARED_RESERVED_PER_BLOCK))
+
+
+def chain_gemv_registers(sm: SmBudget = HOPPER_SM) -> int:
+    """The registers a thread of q|k|v and o takes at most: they compile for CHAIN_GEMV_MIN_BLOCKS
+    blocks of GEMV_MAX_SPLITS warps per SM (kernels/gemv_int4.cu)."""
+    return sm.registers // (CHAIN_GEMV_MIN_BLOCKS * GEMV_MAX_SPLITS * 32) // 8 * 8
+
+
+def chain_block_shared_bytes(splits: int, group_size: int) -> int:
+    """Shared memory of a q|k|v or o block of `splits` warps: a ring per warp, as deep as the deeper
+    of the two kernels' (kernels/gemv_int4.cu), and the block's split sums, GEMV_MAX_SPLITS x 16 fp32."""
+    depths = macro_defaults("gemv_int4.cu")
+    stages = max(int(depths[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]]) for projection in ("qkv", "o"))
+    return splits * planned_ring_bytes(QKV_ROPE_KERNEL, stages, group_size) + GEMV_MAX_SPLITS * TILE_ROWS * 4
+
+
+# The share of each SM that a chain GEMV's busiest SM may fill with its blocks. o's blocks land
+# while the attention kernels before it still hold registers on every SM, and an SM that o filled
+# wholly would hold its last blocks back until they left; q|k|v's land beside the norm's few.
+CHAIN_GEMV_SM_SHARE = {"qkv": 1.0, "o": 0.75}
+
+
+def chain_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128,
+                 sm: SmBudget = HOPPER_SM) -> int:
+    """Split-K factor of q|k|v or o: the most warps per tile with which every block of the GEMV is
+    resident at once, within the projection's CHAIN_GEMV_SM_SHARE of each SM. These two sit on the
+    step's chain of small kernels, where nothing hides a second wave of blocks and a warp's range is
+    its time: more warps per tile put more of the weights in flight at the start and give each warp
+    fewer groups."""
+    tiles = -(-out_features // TILE_ROWS)
+    busiest = -(-tiles // num_sms)  # blocks on the SM that gets the most
+    share = CHAIN_GEMV_SM_SHARE[projection]
+    budget = sm._replace(registers=int(sm.registers * share), threads=int(sm.threads * share))
+    registers = chain_gemv_registers(sm)
+    for splits in range(min(in_features // group_size, GEMV_MAX_SPLITS), 1, -1):
+        if busiest <= resident_blocks(splits, registers, chain_block_shared_bytes(splits, group_size), budget):
+            return splits
+    return 1
 
 
 def block_threads(config) -> dict[str, int]:
@@ -79,14 +137,14 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
     return max(1, min(wanted, groups // min_groups_per_split, GEMV_MAX_SPLITS))
 
 
-def projection_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128) -> int:
+def projection_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128,
+                      sm: SmBudget = HOPPER_SM) -> int:
     """The split-K factor the engine gives a decode projection ("qkv", "o", "down", "gate_up"; the
-    fused gate+up GEMV itself runs GATE_UP_SPLITS warps per tile): the chain GEMVs at most
-    CHAIN_GEMV_GROUPS_PER_SPLIT groups per warp, the others `gemv_splits`' warps per SM."""
-    most_groups = CHAIN_GEMV_GROUPS_PER_SPLIT.get(projection)
-    if most_groups is None:
-        return gemv_splits(out_features, in_features, num_sms, group_size)
-    return max(1, min(-(-(in_features // group_size) // most_groups), GEMV_MAX_SPLITS))
+    fused gate+up GEMV itself runs GATE_UP_SPLITS warps per tile): the chain GEMVs' `chain_splits`,
+    the others `gemv_splits`' warps per SM."""
+    if projection in CHAIN_GEMV_SM_SHARE:
+        return chain_splits(projection, out_features, in_features, num_sms, group_size, sm)
+    return gemv_splits(out_features, in_features, num_sms, group_size)
 
 
 def gemv_launch(kernel: str, rows: int, splits: int, ring_bytes: int) -> tuple[tuple[int], tuple[int], int]:
@@ -130,11 +188,11 @@ def verify_kernel(name: str, tokens: int) -> str:
     return f"{name}_{VERIFY_WIDTHS[0] if tokens <= NARROW_ROWS else VERIFY_WIDTHS[1]}"
 
 
-def verify_splits(kernel: str, config, num_sms: int) -> int:
+def verify_splits(kernel: str, config, num_sms: int, sm: SmBudget = HOPPER_SM) -> int:
     """Warps per block of a verify GEMV: decode's split of the same projection, so that each row's
     sums are added in decode's order."""
     projection = VERIFY_GEMVS[kernel].projection
     if projection == "gate_up":
         return GATE_UP_SPLITS
     out_features, in_features = config.projection_shapes[projection]
-    return projection_splits(projection, out_features, in_features, num_sms, config.group_size)
+    return projection_splits(projection, out_features, in_features, num_sms, config.group_size, sm)

@@ -46,7 +46,7 @@ class VerifyPass:
                 kernel = f"{name}_{width}"
                 set_carveout(self.kernels[kernel], GEMV_CARVEOUT_PERCENT[gemv.decode_kernel])
                 self._verify_ring_bytes[kernel] = build.module_int(module, f"{kernel}_ring_bytes")
-                self.kernels[kernel].max_dynamic_shared_size_bytes = (verify_splits(name, self.config, self.num_sms)
+                self.kernels[kernel].max_dynamic_shared_size_bytes = (verify_splits(name, self.config, self.num_sms, self.sm)
                                                                       * self._verify_ring_bytes[kernel])
         self._verify = None  # buffers, allocated at the first pass
         self._verify_graphs = {}  # rows -> graph
@@ -93,7 +93,7 @@ class VerifyPass:
         rows = self.config.intermediate_size if name == "gemv_int4_gate_up_silu_rows" else linear.out_features
         kernel = verify_kernel(name, tokens)
         grid, block, shared = gemv_launch(VERIFY_GEMVS[name].decode_kernel, rows,
-                                          verify_splits(name, self.config, self.num_sms),
+                                          verify_splits(name, self.config, self.num_sms, self.sm),
                                           self._verify_ring_bytes[kernel])
         self.kernels[kernel](grid, block, (*args, np.int32(tokens)), shared_mem=shared)
 

@@ -75,7 +75,8 @@ class WeightUpload:
             bias32=None if bias is None else bias.astype(cp.float32),
             out_features=out_features,
             in_features=in_features,
-            splits=projection_splits(projection, out_features, in_features, self.num_sms, self.config.group_size),
+            splits=projection_splits(projection, out_features, in_features, self.num_sms, self.config.group_size,
+                                     self.sm),
         )
 
     def _upload_layer(self, w) -> DeviceLayer:
