@@ -224,9 +224,9 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
 // The loop is unrolled by STAGES because register arrays need compile-time indices. x comes
 // through the ring too, and each scale is converted where it is used: loaded from global memory
 // at the top of every group, or converted at its load, either would stall the warp once per group.
-// With AHEAD (q|k|v and o, whose warps take at most 3 groups each), a range that fits the ring is
-// requested whole before the wait and no slot is refilled: nothing of the weights is left to ask
-// for once x has arrived.
+// With AHEAD (q|k|v and o), a range that fits the ring is requested whole before the wait and no
+// slot is refilled: nothing of the weights is left to ask for once x has arrived. A longer range
+// has its first STAGES - 1 groups requested before the wait, as without AHEAD.
 // `ring` is this warp's own.
 // With TOKENS > 1 (a verify pass) x is `tokens` rows of K and acc[tile] holds
 // gemv_accumulators(TOKENS) sums (see MMA_COLUMNS); decode passes TOKENS = 1 and tokens = 1. A

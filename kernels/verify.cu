@@ -124,9 +124,9 @@ __device__ __forceinline__ void gemv_int4_rows_split_k(const unsigned int* __res
 }
 
 // Each verify GEMV has its decode twin's ring depth and AHEAD (gemv_int4.cu), and a register budget
-// (__maxnreg__) that keeps the blocks per SM decode's launch relies on at the 7B: q|k|v and o three
-// blocks of 10 warps (64 registers: the narrow kernels), down_proj two of 10 (96), gate+up all its
-// 1184 tiles at once, 9 blocks of 2 warps (112). The wide q|k|v and o fit two.
+// (__maxnreg__) that keeps the blocks per SM decode's launch relies on at the 7B: q|k|v three blocks
+// of 10 warps and o two of 12 (64 registers: the narrow kernels), down_proj two of 10 (96), gate+up
+// all its 1184 tiles at once, 9 blocks of 2 warps (112). The wide q|k|v fits two.
 #define NQ_GEMV_INT4_ROWS_KERNEL(NAME, K, STAGES, AHEAD, TOKENS, REGISTERS)                                \
   __device__ int NAME##_ring_bytes = sizeof(VerifyRing<STAGES, 1>);                                        \
   extern "C" __global__ void __maxnreg__(REGISTERS)                                                        \

@@ -1,7 +1,7 @@
 """Launch geometry and tuning of the decode step: how many warps and blocks each kernel gets.
 
-Everything here is arithmetic on the model's shapes and the GPU's multiprocessor count, so it runs
-without a GPU (the compile check and the book plan launches on a CPU). The numbers a kernel fixes
+Everything here is arithmetic on the model's shapes, the GPU's multiprocessor count and what one
+multiprocessor holds (SmBudget, Hopper's by default), so it runs without a GPU (the compile check and the book plan launches on a CPU). The numbers a kernel fixes
 (block sizes, the most warps a block holds) come from nanoqwen.cuda.abi.
 
 A decode GEMV's time is set by how many bytes each SM has in flight, not by arithmetic: its warps
@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..quant import TILE_ROWS
-from .build import macro_defaults
 from .abi import (
     ARGMAX_THREADS,
     CHAIN_GEMV_MIN_BLOCKS,
@@ -24,6 +23,7 @@ from .abi import (
     NARROW_ROWS,
     RMS_CLUSTER,
 )
+from .build import macro_defaults
 
 # Warps per 16-row tile of the gate+up GEMV, each a share of the input groups. One warp per tile
 # issues too few loads to keep its bytes moving; two fill the SM with the 7B's 1184 tiles.
@@ -82,12 +82,15 @@ def chain_gemv_registers(sm: SmBudget = HOPPER_SM) -> int:
     return sm.registers // (CHAIN_GEMV_MIN_BLOCKS * GEMV_MAX_SPLITS * 32) // 8 * 8
 
 
+# The deeper of q|k|v's and o's rings, as kernels/gemv_int4.cu sets them by default
+CHAIN_GEMV_STAGES = max(int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]])
+                        for projection in ("qkv", "o"))
+
+
 def chain_block_shared_bytes(splits: int, group_size: int) -> int:
-    """Shared memory of a q|k|v or o block of `splits` warps: a ring per warp, as deep as the deeper
-    of the two kernels' (kernels/gemv_int4.cu), and the block's split sums, GEMV_MAX_SPLITS x 16 fp32."""
-    depths = macro_defaults("gemv_int4.cu")
-    stages = max(int(depths[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]]) for projection in ("qkv", "o"))
-    return splits * planned_ring_bytes(QKV_ROPE_KERNEL, stages, group_size) + GEMV_MAX_SPLITS * TILE_ROWS * 4
+    """Shared memory of a q|k|v or o block of `splits` warps: a CHAIN_GEMV_STAGES-deep ring per warp
+    and the block's split sums, GEMV_MAX_SPLITS x 16 fp32."""
+    return splits * planned_ring_bytes(QKV_ROPE_KERNEL, CHAIN_GEMV_STAGES, group_size) + GEMV_MAX_SPLITS * TILE_ROWS * 4
 
 
 # The share of each SM that a chain GEMV's busiest SM may fill with its blocks. o's blocks land
