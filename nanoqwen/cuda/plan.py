@@ -1,8 +1,9 @@
 """Launch geometry and tuning of the decode step: how many warps and blocks each kernel gets.
 
 Everything here is arithmetic on the model's shapes, the GPU's multiprocessor count and what one
-multiprocessor holds (SmBudget, Hopper's by default), so it runs without a GPU (the compile check and the book plan launches on a CPU). The numbers a kernel fixes
-(block sizes, the most warps a block holds) come from nanoqwen.cuda.abi.
+multiprocessor holds (SmBudget, Hopper's by default), so it runs without a GPU (the compile check
+and the book plan launches on a CPU). The numbers a kernel fixes (block sizes, the most warps a
+block holds) come from nanoqwen.cuda.abi.
 
 A decode GEMV's time is set by how many bytes each SM has in flight, not by arithmetic: its warps
 copy groups of weights into shared-memory rings ahead of the multiply. So every choice below is
