@@ -89,14 +89,13 @@ def test_chain_gemvs_take_the_most_warps_that_fit_one_wave():
     fourteen warps of three groups took two waves."""
     from nanoqwen.cuda.abi import GEMV_MAX_SPLITS
     from nanoqwen.cuda.plan import (
-        CHAIN_GEMV_SM_SHARE, HOPPER_SM, chain_block_shared_bytes, chain_gemv_registers, gemv_splits, projection_splits,
+        HOPPER_SM, chain_block_shared_bytes, chain_gemv_registers, chain_sm_budget, gemv_splits, projection_splits,
         resident_blocks,
     )
     from nanoqwen.random_model import PRESETS
 
     def one_wave(projection, rows, splits, sms):
-        share = CHAIN_GEMV_SM_SHARE[projection]
-        budget = HOPPER_SM._replace(registers=int(HOPPER_SM.registers * share), threads=int(HOPPER_SM.threads * share))
+        budget = chain_sm_budget(projection)
         blocks = resident_blocks(splits, chain_gemv_registers(), chain_block_shared_bytes(splits, 128), budget)
         return -(-rows // 16) <= sms * blocks
 

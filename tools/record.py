@@ -33,7 +33,7 @@ def write_record(out: Path, record: dict, markdown: str) -> None:
     print(markdown)
 
 
-def record_command(tool: str, out: Path, *options: str) -> str:
-    """The command that makes a record again: `tool` with `options`, writing to results/ under the name
-    it was given (a device machine writes it elsewhere and it is copied there)."""
-    return " ".join(["python3", tool, *options, "--out", f"results/{Path(out).name}"])
+def record_command(tool: str, out: Path, *options: str, out_flag: str = "--out") -> str:
+    """The command that makes a record again: `tool` with `options`, writing (`out_flag`) to results/
+    under the name it was given (a device machine writes it elsewhere and it is copied there)."""
+    return " ".join(["python3", tool, *options, out_flag, f"results/{Path(out).name}"])

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from record import record_header
+from record import record_command, record_header
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1, head_dim=128,
@@ -115,9 +115,9 @@ def main() -> int:
             args.logs.mkdir(parents=True, exist_ok=True)
             (args.logs / f"sanitizer-{tool}.txt").write_text(text)
     tools = [] if args.tools == list(TOOLS) else ["--tools", *args.tools]
-    json_name = f"results/{args.json.name}" if args.json else "results/sanitizer-engine-GPU.json"
+    json_path = args.json or Path("sanitizer-engine-GPU.json")
     record = {
-        **record_header(" ".join(["python3", "tools/sanitize_engine.py", *tools, "--json", json_name])),
+        **record_header(record_command("tools/sanitize_engine.py", json_path, *tools, out_flag="--json")),
         "model": {**SHAPE, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "requests": list(REQUESTS),
                   "persistent_kernel_requests": list(PERSISTENT_REQUESTS)},
         "runs": rows,

@@ -39,6 +39,7 @@ import numpy as np
 
 from nanoqwen.cuda import build
 from nanoqwen.byte_floor import bytes_per_token, kernel_bytes
+from nanoqwen.cuda.persistent import persistent_refusal
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
     model = load(args.model)
     backend, page_table, modules = traced_backend(model, args.context)
     backend.pdl = not args.without_pdl
-    persistent = backend._persistent_layers is not None  # this backend can also run the persistent kernel
+    persistent = persistent_refusal(backend) is None  # this backend can also run the persistent kernel
     backend.persistent = False  # first the step with a kernel per operation
     names = step_launch_names(backend)
     start, released, step_ns = record_steps(backend, page_table, args.context, modules, len(names), args.steps)

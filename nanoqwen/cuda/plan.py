@@ -100,6 +100,12 @@ def chain_block_shared_bytes(splits: int, group_size: int) -> int:
 CHAIN_GEMV_SM_SHARE = {"qkv": 1.0, "o": 0.75}
 
 
+def chain_sm_budget(projection: str, sm: SmBudget = HOPPER_SM) -> SmBudget:
+    """The part of each SM that q|k|v's or o's blocks may fill (CHAIN_GEMV_SM_SHARE)."""
+    share = CHAIN_GEMV_SM_SHARE[projection]
+    return sm._replace(registers=int(sm.registers * share), threads=int(sm.threads * share))
+
+
 def chain_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128,
                  sm: SmBudget = HOPPER_SM) -> int:
     """Split-K factor of q|k|v or o: the most warps per tile with which every block of the GEMV is
@@ -109,8 +115,7 @@ def chain_splits(projection: str, out_features: int, in_features: int, num_sms: 
     fewer groups."""
     tiles = -(-out_features // TILE_ROWS)
     busiest = -(-tiles // num_sms)  # blocks on the SM that gets the most
-    share = CHAIN_GEMV_SM_SHARE[projection]
-    budget = sm._replace(registers=int(sm.registers * share), threads=int(sm.threads * share))
+    budget = chain_sm_budget(projection, sm)
     registers = chain_gemv_registers(sm)
     for splits in range(min(in_features // group_size, GEMV_MAX_SPLITS), 1, -1):
         if busiest <= resident_blocks(splits, registers, chain_block_shared_bytes(splits, group_size), budget):
