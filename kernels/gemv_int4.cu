@@ -573,12 +573,17 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
 // qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]). Block `tile` takes the
 // same 16 rows of both; its `splits` warps (blockDim.x / 32) split the input groups as the split-K
 // GEMVs do and add their sums in split order, and its first 16 threads apply silu to the finished
-// sums. One warp per tile issues too few instructions to keep its bytes moving, hence two
-// (plan.GATE_UP_SPLITS).
+// sums. How many warps a tile takes is the plan's (plan.gate_up_splits): more make each block
+// shorter, so that the SMs that free up last hold their final blocks for less time.
 // grid (ceil(I / 16)), block (32 splits, splits <= GATE_UP_MAX_SPLITS), splits rings of shared
 // memory; h fp16 [I]
 constexpr int GATE_UP_MAX_SPLITS = 4;  // warps of a gate+up block
 NQ_EXPORT_INT(GATE_UP_MAX_SPLITS)
+// gate+up compiles for this many blocks of GATE_UP_MAX_SPLITS warps per SM: at most 96 registers
+// a thread, so the plan counts its blocks per SM without a GPU (the build takes about 94; fewer
+// spill).
+constexpr int GATE_UP_MIN_BLOCKS = 5;
+NQ_EXPORT_INT(GATE_UP_MIN_BLOCKS)
 using GateUpRing = GemvRing<NQ_GATE_UP_STAGES, 2>;
 __device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read by the host to size the launch
 
@@ -609,7 +614,7 @@ __device__ __forceinline__ void gate_up_tile_dot(const unsigned int* __restrict_
 // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
-extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE)
+extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE, GATE_UP_MIN_BLOCKS)
 gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
                        const unsigned short* x, unsigned short* __restrict__ h) {
   __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)];  // gate's, up's

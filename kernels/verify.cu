@@ -191,7 +191,7 @@ NQ_QKV_ROPE_ROWS_KERNEL(gemv_int4_qkv_rope_rows_narrow, NARROW_ROWS, 64)
 NQ_QKV_ROPE_ROWS_KERNEL(gemv_int4_qkv_rope_rows_wide, VERIFY_ROWS, 96)
 
 // gemv_int4_gate_up_silu for `tokens` rows: h [tokens, I] fp16.
-// grid (ceil(I / 16)), block (32 GATE_UP_SPLITS), dynamic shared memory splits x NAME_ring_bytes
+// grid (ceil(I / 16)), block (32 decode's splits), dynamic shared memory splits x NAME_ring_bytes
 template <int TOKENS>
 __device__ __forceinline__ void gate_up_silu_rows(const unsigned int* __restrict__ qweight,
                                                   const unsigned short* __restrict__ scales, const unsigned short* x,

@@ -117,6 +117,38 @@ def test_chain_gemvs_take_the_most_warps_that_fit_one_wave():
     assert projection_splits("down", 3584, 18944, 132) == gemv_splits(3584, 18944, 132)
 
 
+def test_gate_up_takes_the_most_warps_whose_last_wave_is_not_a_sliver():
+    """gate+up gets the most warps per tile (at most a block's, at least two groups each) whose
+    blocks end in their only wave or in a last wave at least a quarter full, and no more warps
+    within those bounds would; the published shapes on Hopper's 132 SMs: four warps per tile,
+    three at the 3B (four would leave 28 of its 688 tiles to a second wave) and at the 0.5B (seven
+    input groups)."""
+    from nanoqwen.cuda.abi import GATE_UP_MAX_SPLITS
+    from nanoqwen.cuda.plan import (
+        GATE_UP_MIN_GROUPS_PER_SPLIT, LAST_WAVE_MIN_FILL, gate_up_block_shared_bytes, gate_up_registers,
+        gate_up_splits, projection_splits, resident_blocks,
+    )
+    from nanoqwen.random_model import PRESETS
+
+    def last_wave_fills(tiles, hidden, splits, sms):
+        per_wave = sms * resident_blocks(splits, gate_up_registers(), gate_up_block_shared_bytes(splits, hidden, 128))
+        return tiles <= per_wave or tiles % per_wave == 0 or tiles % per_wave >= LAST_WAVE_MIN_FILL * per_wave
+
+    assert gate_up_registers() == 96
+    for intermediate in (16, 640, 4864, 11008, 18944, 27648, 100000):
+        for groups in (1, 3, 7, 16, 28, 40, 128):
+            for sms in (8, 114, 132):
+                splits = gate_up_splits(intermediate, groups * 128, sms)
+                most = max(1, min(GATE_UP_MAX_SPLITS, groups // GATE_UP_MIN_GROUPS_PER_SPLIT))
+                tiles = -(-intermediate // 16)
+                assert 1 <= splits <= most, (intermediate, groups, sms)
+                assert splits == min(most, 2) or last_wave_fills(tiles, groups * 128, splits, sms)
+                assert not any(last_wave_fills(tiles, groups * 128, more, sms) for more in range(splits + 1, most + 1))
+    splits = {name.removeprefix("qwen2.5-coder-"): projection_splits("gate_up", *config.projection_shapes["gate_up"], 132)
+              for name, config in PRESETS.items()}
+    assert splits == {"0.5b": 3, "1.5b": 4, "3b": 3, "7b": 4, "14b": 4, "32b": 4}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_the_step_timeline_adds_no_shared_memory(tmp_path):
     """Built with NQ_TRACE (tools/step_timeline.py), every decode kernel keeps its static shared

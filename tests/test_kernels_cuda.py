@@ -41,7 +41,8 @@ from nanoqwen.cuda.backend import CudaBackend  # noqa: E402
 from nanoqwen.cuda.device import NULL, fit_gemv_rings, mapped_host_array, persistent_blocks, set_carveout, sm_budget  # noqa: E402
 from nanoqwen.cuda.plan import (  # noqa: E402
     GEMV_CARVEOUT_PERCENT, GEMV_KERNELS, GEMV_STAGES_MACROS, QKV_ROPE_KERNEL, block_threads, chain_block_shared_bytes,
-    chain_gemv_registers, gemv_launch, planned_ring_bytes, projection_splits, resident_blocks,
+    chain_gemv_registers, gate_up_block_shared_bytes, gate_up_registers, gemv_launch, planned_ring_bytes,
+    projection_splits, resident_blocks,
 )
 from nanoqwen.cuda.sampler import sampler_settings  # noqa: E402
 
@@ -205,6 +206,26 @@ def test_the_device_holds_the_chain_gemvs_blocks_the_plan_counts(config_name):
             assert driver >= planned, (name, splits, driver, planned)
 
 
+@pytest.mark.parametrize("config_name", ["7b", "odd"])
+def test_the_device_holds_the_gate_up_blocks_the_plan_counts(config_name):
+    """plan.gate_up_splits counts gate+up's blocks per SM without a GPU: the compiled kernel stays
+    within its register bound, its static shared memory is the plan's less the rings, and at every
+    split the driver fits at least as many of its blocks per SM as the plan counts."""
+    sm, c = sm_budget(cp.cuda.Device()), CONFIGS[config_name]
+    name = "gemv_int4_gate_up_silu"
+    function = kernel(config_name, name)
+    assert function.attributes["num_regs"] <= gate_up_registers(sm)
+    set_carveout(function, GEMV_CARVEOUT_PERCENT[name])
+    ring_bytes = fit_gemv_rings(function, module(config_name), name)
+    for splits in range(1, GATE_UP_MAX_SPLITS + 1):
+        shared = gate_up_block_shared_bytes(splits, c.hidden_size, c.group_size)
+        assert function.attributes["shared_size_bytes"] + splits * ring_bytes == shared, splits
+        planned = resident_blocks(splits, gate_up_registers(sm), shared, sm)
+        driver = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, splits * 32,
+                                                                         splits * ring_bytes)
+        assert driver >= planned, (splits, driver, planned)
+
+
 @pytest.mark.parametrize("split_choice", ["one", "backend", "a block's most"])
 @pytest.mark.parametrize("case", GEMV_CASES, ids=[f"{c[0]}-{c[2]}" for c in GEMV_CASES])
 def test_gemv_int4_split_k(case, split_choice):
@@ -233,7 +254,7 @@ def test_gemv_int4_split_k(case, split_choice):
 
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
-@pytest.mark.parametrize("splits", [1, 2, GATE_UP_MAX_SPLITS])
+@pytest.mark.parametrize("splits", range(1, GATE_UP_MAX_SPLITS + 1))
 def test_gemv_int4_gate_up_silu(config_name, splits):
     c = CONFIGS[config_name]
     i, h = c.intermediate_size, c.hidden_size

@@ -12,7 +12,7 @@ import pytest
 from nanoqwen.book.persistent_model import OPERATIONS, block_share, play, step_operations
 from nanoqwen.config import ModelConfig
 from nanoqwen.cuda.attention import decode_splits, split_pages
-from nanoqwen.cuda.plan import GATE_UP_SPLITS, projection_splits
+from nanoqwen.cuda.plan import projection_splits
 from nanoqwen.random_model import PRESETS
 from nanoqwen.testing import DEFAULT_CONFIG, FAMILY_SHAPES
 
@@ -21,8 +21,7 @@ SHAPES = {**PRESETS, **{name: ModelConfig(**{**DEFAULT_CONFIG, **over}) for name
 
 
 def splits_of(config, num_sms):
-    splits = {p: projection_splits(p, *config.projection_shapes[p], num_sms) for p in ("qkv", "o", "down")}
-    return {**splits, "gate_up": GATE_UP_SPLITS}
+    return {p: projection_splits(p, *config.projection_shapes[p], num_sms) for p in ("qkv", "o", "gate_up", "down")}
 
 
 @pytest.mark.parametrize("name", SHAPES)

@@ -50,7 +50,7 @@ from nanoqwen.book.int8_study import (
 from nanoqwen.cuda.int8 import Int8Gemv, int4_int8_linear, quantize_activations_int8
 from nanoqwen.cuda.backend import CudaBackend
 from nanoqwen.cuda.device import fit_gemv_rings
-from nanoqwen.cuda.plan import GATE_UP_SPLITS, gemv_launch, projection_splits
+from nanoqwen.cuda.plan import gemv_launch, projection_splits
 from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.cuda.weights import DeviceLinear
 from nanoqwen.loader import Int4Linear
@@ -271,10 +271,11 @@ class PathB:
         self._gemv(self._launcher, self.kernel_name, self.linear, x, self.out)
 
 
-def fused_gate_up(cp, path_b, qweight, scales, x, h) -> None:
+def fused_gate_up(cp, path_b, qweight, scales, x, h, num_sms: int) -> None:
     """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
     name = "gemv_int4_gate_up_silu"
-    grid, block, shared_mem = gemv_launch(name, CONFIG.intermediate_size, GATE_UP_SPLITS, path_b.ring_bytes[name])
+    splits = projection_splits("gate_up", 2 * CONFIG.intermediate_size, CONFIG.hidden_size, num_sms, CONFIG.group_size)
+    grid, block, shared_mem = gemv_launch(name, CONFIG.intermediate_size, splits, path_b.ring_bytes[name])
     path_b.kernels[name](grid, block, (qweight, scales, x, h), shared_mem=shared_mem)
 
 
@@ -337,7 +338,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
         variants["b"] = lambda i: b[i](xs[i])
     if fused:
         variants["b_fused_silu"] = lambda i: fused_gate_up(cp, path_b, b[i].linear.qweight, b[i].linear.scales,
-                                                           xs[i], hs[i])
+                                                           xs[i], hs[i], num_sms)
     graphs = {}
     for variant, call in variants.items():
         graphs[variant] = timer.capture(lambda call=call: [call(i % copies) for i in range(calls)])

@@ -31,7 +31,7 @@ import numpy as np
 from nanoqwen.cuda import build
 from nanoqwen.cuda.abi import ARGMAX_THREADS, LM_HEAD_THREADS, RMS_CLUSTER
 from nanoqwen.cuda.device import NULL, fit_gemv_rings, persistent_blocks, set_carveout
-from nanoqwen.cuda.plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, block_threads, gemv_launch, projection_splits
+from nanoqwen.cuda.plan import GEMV_CARVEOUT_PERCENT, block_threads, gemv_launch, projection_splits
 from nanoqwen.cuda.sampler import sampler_settings
 from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.quant import tile_int4
@@ -107,7 +107,7 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, projection, n, k, bi
     set_carveout(function, GEMV_CARVEOUT_PERCENT[kernel])
     ring_bytes = fit_gemv_rings(function, module, kernel)
     if fused:
-        splits, out = GATE_UP_SPLITS, cp.empty(n, dtype=cp.float16)
+        splits, out = projection_splits(projection, rows, k, num_sms), cp.empty(n, dtype=cp.float16)
         grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
         out_bytes = n * 2
 

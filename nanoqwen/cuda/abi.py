@@ -51,7 +51,7 @@ SOURCES = {
     "STATUS_NOT_FINITE": "common.cuh", "STATUS_HOST_DRAWS": "common.cuh",
     "ELEMENTWISE_THREADS": "common.cuh",
     "TILE_ROWS": "gemv_int4.cu", "SPLIT_K_MAX_WARPS": "gemv_int4.cu", "CHAIN_GEMV_MIN_BLOCKS": "gemv_int4.cu",
-    "GATE_UP_MAX_SPLITS": "gemv_int4.cu",
+    "GATE_UP_MAX_SPLITS": "gemv_int4.cu", "GATE_UP_MIN_BLOCKS": "gemv_int4.cu",
     "RMS_CLUSTER": "rmsnorm.cu", "LM_THREADS": "lm_head.cu",
     "ARGMAX_THREADS": "sampler.cu", "TOP_K_MAX": "sampler.cu",
     "VERIFY_ROWS": "verify.cu", "NARROW_ROWS": "verify.cu",
@@ -76,6 +76,7 @@ TILE_ROWS = _source("TILE_ROWS")
 GEMV_MAX_SPLITS = _source("SPLIT_K_MAX_WARPS")  # warps of a split-K GEMV block
 CHAIN_GEMV_MIN_BLOCKS = _source("CHAIN_GEMV_MIN_BLOCKS")  # blocks of GEMV_MAX_SPLITS warps of q|k|v and o an SM holds (their register bound)
 GATE_UP_MAX_SPLITS = _source("GATE_UP_MAX_SPLITS")  # warps of a gate+up block
+GATE_UP_MIN_BLOCKS = _source("GATE_UP_MIN_BLOCKS")  # blocks of GATE_UP_MAX_SPLITS warps of gate+up an SM holds (its register bound)
 RMS_CLUSTER = _source("RMS_CLUSTER")  # blocks of add_rmsnorm_cluster's clusters
 LM_HEAD_THREADS = _source("LM_THREADS")
 ARGMAX_THREADS = _source("ARGMAX_THREADS")

@@ -45,7 +45,7 @@ from .device import fit_gemv_rings, set_carveout, sm_budget
 from .launch import StepKernel
 from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
-from .plan import GATE_UP_SPLITS, GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
+from .plan import GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
 from .verify import VerifyPass
@@ -142,7 +142,6 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
             set_carveout(self.kernels[name], percent)
             self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
         self._init_verify(module)
-        self.gate_up_splits = GATE_UP_SPLITS
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
             if self.kernels[name].max_threads_per_block < threads:

@@ -26,7 +26,6 @@ import numpy as np
 from . import build
 from .abi import LAYER_POINTERS, OPS_PER_LAYER, PERSIST_THREADS, TILE_ROWS, kernel_int
 from .device import set_carveout
-from .plan import GATE_UP_SPLITS
 
 KERNEL = "decode_layers_persistent"
 KERNEL_FILE = "decode_persistent.cu"
@@ -76,7 +75,7 @@ class PersistentLayers:
                 table[i, columns[name]] = 0 if array is None else array.data.ptr
         self.layer_table = cp.asarray(table)
         first = backend.layers[0]
-        self.splits = {"qkv": first.qkv.splits, "o": first.o.splits, "gate_up": GATE_UP_SPLITS, "down": first.down.splits}
+        self.splits = {"qkv": first.qkv.splits, "o": first.o.splits, "gate_up": first.gate_up.splits, "down": first.down.splits}
         hidden, mlp = (build.module_int(module, f"abi_{name}_TILES") for name in ("HIDDEN", "MLP"))
         tiles = {"qkv": build.module_int(module, "abi_QKV_TILES"), "o": hidden, "gate_up": mlp, "down": hidden}
         sums_per_pair = {k: (2 if k == "gate_up" else 1) * TILE_ROWS for k in tiles}  # gate+up's pairs hold two tiles

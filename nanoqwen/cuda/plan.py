@@ -19,6 +19,7 @@ from .abi import (
     ARGMAX_THREADS,
     CHAIN_GEMV_MIN_BLOCKS,
     GATE_UP_MAX_SPLITS,
+    GATE_UP_MIN_BLOCKS,
     GEMV_MAX_SPLITS,
     LM_HEAD_THREADS,
     NARROW_ROWS,
@@ -26,9 +27,6 @@ from .abi import (
 )
 from .build import macro_defaults
 
-# Warps per 16-row tile of the gate+up GEMV, each a share of the input groups. One warp per tile
-# issues too few loads to keep its bytes moving; two fill the SM with the 7B's 1184 tiles.
-GATE_UP_SPLITS = 2
 # Split K so that each SM gets about this many GEMV warps (each keeps a ring of groups in flight):
 # down_proj's split. Fewer leave bytes unrequested; more make each warp's range too short.
 GEMV_WARPS_PER_SM = 16
@@ -77,10 +75,23 @@ def resident_blocks(warps: int, registers: int, shared_bytes: int, sm: SmBudget 
                sm.shared_bytes // (shared_bytes + SHARED_RESERVED_PER_BLOCK))
 
 
+def bounded_registers(min_blocks: int, warps: int, sm: SmBudget = HOPPER_SM) -> int:
+    """The registers a thread takes at most in a kernel compiled with
+    `__launch_bounds__(warps * 32, min_blocks)`: what `min_blocks` such blocks leave each thread,
+    in whole units of 8 (a warp's 256)."""
+    return sm.registers // (min_blocks * warps * 32) // 8 * 8
+
+
 def chain_gemv_registers(sm: SmBudget = HOPPER_SM) -> int:
     """The registers a thread of q|k|v and o takes at most: they compile for CHAIN_GEMV_MIN_BLOCKS
     blocks of GEMV_MAX_SPLITS warps per SM (kernels/gemv_int4.cu)."""
-    return sm.registers // (CHAIN_GEMV_MIN_BLOCKS * GEMV_MAX_SPLITS * 32) // 8 * 8
+    return bounded_registers(CHAIN_GEMV_MIN_BLOCKS, GEMV_MAX_SPLITS, sm)
+
+
+def gate_up_registers(sm: SmBudget = HOPPER_SM) -> int:
+    """The registers a thread of gate+up takes at most: it compiles for GATE_UP_MIN_BLOCKS blocks of
+    GATE_UP_MAX_SPLITS warps per SM (kernels/gemv_int4.cu)."""
+    return bounded_registers(GATE_UP_MIN_BLOCKS, GATE_UP_MAX_SPLITS, sm)
 
 
 # The deeper of q|k|v's and o's rings, as kernels/gemv_int4.cu sets them by default
@@ -92,6 +103,43 @@ def chain_block_shared_bytes(splits: int, group_size: int) -> int:
     """Shared memory of a q|k|v or o block of `splits` warps: a CHAIN_GEMV_STAGES-deep ring per warp
     and the block's split sums, GEMV_MAX_SPLITS x 16 fp32."""
     return splits * planned_ring_bytes(QKV_ROPE_KERNEL, CHAIN_GEMV_STAGES, group_size) + GEMV_MAX_SPLITS * TILE_ROWS * 4
+
+
+GATE_UP_STAGES = int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS["gemv_int4_gate_up_silu"]])
+
+
+def gate_up_block_shared_bytes(splits: int, hidden_size: int, group_size: int) -> int:
+    """Shared memory of a gate+up block of `splits` warps: a GATE_UP_STAGES-deep ring per warp, the
+    two tiles' scales (16 rows x the input's groups of fp16 each) and the split sums
+    (GATE_UP_MAX_SPLITS x 2 tiles x 16 fp32)."""
+    groups = hidden_size // group_size
+    return (splits * planned_ring_bytes("gemv_int4_gate_up_silu", GATE_UP_STAGES, group_size)
+            + 2 * TILE_ROWS * groups * 2 + GATE_UP_MAX_SPLITS * 2 * TILE_ROWS * 4)
+
+
+# Fewer groups than this per warp leave most of gate+up's 4-deep ring idle.
+GATE_UP_MIN_GROUPS_PER_SPLIT = 2
+# A last wave of blocks less full than this share of the GPU runs nearly alone, after the rest.
+LAST_WAVE_MIN_FILL = 0.25
+
+
+def gate_up_splits(intermediate_size: int, hidden_size: int, num_sms: int, group_size: int = 128,
+                   sm: SmBudget = HOPPER_SM) -> int:
+    """Warps per tile of the fused gate+up GEMV (each a share of the input groups): the most, up to
+    GATE_UP_MAX_SPLITS with at least GATE_UP_MIN_GROUPS_PER_SPLIT groups each, whose blocks do not
+    end in a last wave less than LAST_WAVE_MIN_FILL full. gate+up is the step's largest GEMV, with
+    tiles to spare: its blocks start as SMs free up, and the SMs that free up last are the step's
+    tail. More warps per tile make a block shorter, so that tail shorter, except where they spill
+    a few blocks into a wave of their own."""
+    tiles = -(-intermediate_size // TILE_ROWS)
+    most = max(1, min(GATE_UP_MAX_SPLITS, hidden_size // group_size // GATE_UP_MIN_GROUPS_PER_SPLIT))
+    registers = gate_up_registers(sm)
+    for splits in range(most, 1, -1):
+        per_wave = num_sms * resident_blocks(splits, registers, gate_up_block_shared_bytes(splits, hidden_size, group_size), sm)
+        full_waves, last_wave = divmod(tiles, per_wave) if per_wave else (0, 0)
+        if per_wave and (full_waves == 0 or last_wave == 0 or last_wave >= LAST_WAVE_MIN_FILL * per_wave):
+            return splits
+    return min(most, 2)
 
 
 # The share of each SM that a chain GEMV's busiest SM may fill with its blocks. o's blocks land
@@ -148,11 +196,13 @@ def gemv_splits(out_features: int, in_features: int, num_sms: int, group_size: i
 
 def projection_splits(projection: str, out_features: int, in_features: int, num_sms: int, group_size: int = 128,
                       sm: SmBudget = HOPPER_SM) -> int:
-    """The split-K factor the engine gives a decode projection ("qkv", "o", "down", "gate_up"; the
-    fused gate+up GEMV itself runs GATE_UP_SPLITS warps per tile): the chain GEMVs' `chain_splits`,
-    the others `gemv_splits`' warps per SM."""
+    """The split-K factor the engine gives a decode projection ("qkv", "o", "down", "gate_up", whose
+    out_features count gate's rows and up's): the chain GEMVs' `chain_splits`, the fused gate+up's
+    `gate_up_splits`, down's `gemv_splits`."""
     if projection in CHAIN_GEMV_SM_SHARE:
         return chain_splits(projection, out_features, in_features, num_sms, group_size, sm)
+    if projection == "gate_up":
+        return gate_up_splits(out_features // 2, in_features, num_sms, group_size, sm)
     return gemv_splits(out_features, in_features, num_sms, group_size)
 
 
@@ -201,7 +251,5 @@ def verify_splits(kernel: str, config, num_sms: int, sm: SmBudget = HOPPER_SM) -
     """Warps per block of a verify GEMV: decode's split of the same projection, so that each row's
     sums are added in decode's order."""
     projection = VERIFY_GEMVS[kernel].projection
-    if projection == "gate_up":
-        return GATE_UP_SPLITS
     out_features, in_features = config.projection_shapes[projection]
     return projection_splits(projection, out_features, in_features, num_sms, config.group_size, sm)

@@ -152,7 +152,7 @@ class DecodeStep:
         """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
-            grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", c.intermediate_size, self.gate_up_splits,
+            grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", c.intermediate_size, w.gate_up.splits,
                                                  self.gemv_ring_bytes["gemv_int4_gate_up_silu"])
             self.kernels["gemv_int4_gate_up_silu"](
                 grid, block, (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden), shared_mem=shared_mem,
