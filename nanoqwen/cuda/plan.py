@@ -111,10 +111,13 @@ GATE_UP_STAGES = int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS["gemv_int
 def gate_up_block_shared_bytes(splits: int, hidden_size: int, group_size: int) -> int:
     """Shared memory of a gate+up block of `splits` warps: a GATE_UP_STAGES-deep ring per warp, the
     two tiles' scales (16 rows x the input's groups of fp16 each) and the split sums
-    (GATE_UP_MAX_SPLITS x 2 tiles x 16 fp32)."""
+    (GATE_UP_MAX_SPLITS x 2 tiles x 16 fp32), each static array placed in whole 128 bytes."""
+    def placed(size: int) -> int:
+        return -(-size // 128) * 128
+
     groups = hidden_size // group_size
     return (splits * planned_ring_bytes("gemv_int4_gate_up_silu", GATE_UP_STAGES, group_size)
-            + 2 * TILE_ROWS * groups * 2 + GATE_UP_MAX_SPLITS * 2 * TILE_ROWS * 4)
+            + placed(2 * TILE_ROWS * groups * 2) + placed(GATE_UP_MAX_SPLITS * 2 * TILE_ROWS * 4))
 
 
 # Fewer groups than this per warp leave most of gate+up's 4-deep ring idle.
