@@ -139,8 +139,10 @@ def gate_up_splits(intermediate_size: int, hidden_size: int, num_sms: int, group
     registers = gate_up_registers(sm)
     for splits in range(most, 1, -1):
         per_wave = num_sms * resident_blocks(splits, registers, gate_up_block_shared_bytes(splits, hidden_size, group_size), sm)
-        full_waves, last_wave = divmod(tiles, per_wave) if per_wave else (0, 0)
-        if per_wave and (full_waves == 0 or last_wave == 0 or last_wave >= LAST_WAVE_MIN_FILL * per_wave):
+        if per_wave == 0:
+            continue
+        last_wave = tiles % per_wave
+        if tiles <= per_wave or last_wave == 0 or last_wave >= LAST_WAVE_MIN_FILL * per_wave:
             return splits
     return min(most, 2)
 
