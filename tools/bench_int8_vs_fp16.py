@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoqwen.book.int8_study import (
+    PROJECTION_OF,
     dequantized_reference,
     error_vs_reference,
     synthetic_activations,
@@ -69,8 +70,6 @@ SHAPES = [
     ("gate+up", 2 * C.intermediate_size, C.hidden_size, "hidden"),
     ("down", C.hidden_size, C.intermediate_size, "intermediate"),
 ]
-# shape -> the engine projection whose split-K rule Path B follows (q, k and v run as q|k|v does)
-PROJECTION_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "qkv": "qkv", "o": "o", "gate+up": "gate_up", "down": "down"}
 ROTATION_L2_MULTIPLE = 4  # the rotated weight copies fill this many L2 caches
 MIN_CALLS = 64  # calls per graph replay, at least
 MIN_BYTES_PER_REPLAY = 512 << 20  # and at least this many weight bytes streamed per replay
@@ -271,12 +270,12 @@ class PathB:
         self._gemv(self._launcher, self.kernel_name, self.linear, x, self.out)
 
 
-def fused_gate_up(cp, path_b, qweight, scales, x, h, num_sms: int) -> None:
-    """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches)."""
+def fused_gate_up(cp, path_b, linear: DeviceLinear, x, h) -> None:
+    """The engine's launch of gemv_int4_gate_up_silu (as in CudaBackend.decode_step_launches) over
+    `linear`, gate's rows then up's, at its split."""
     name = "gemv_int4_gate_up_silu"
-    splits = projection_splits("gate_up", 2 * CONFIG.intermediate_size, CONFIG.hidden_size, num_sms, CONFIG.group_size)
-    grid, block, shared_mem = gemv_launch(name, CONFIG.intermediate_size, splits, path_b.ring_bytes[name])
-    path_b.kernels[name](grid, block, (qweight, scales, x, h), shared_mem=shared_mem)
+    grid, block, shared_mem = gemv_launch(name, linear.out_features // 2, linear.splits, path_b.ring_bytes[name])
+    path_b.kernels[name](grid, block, (linear.qweight, linear.scales, x, h), shared_mem=shared_mem)
 
 
 # ----------------------------------------------------------------------------- one shape
@@ -337,8 +336,7 @@ def bench_shape(cp, stream, timer, empty_kernel, path_b, name, n, k, width, l2_b
     if b:
         variants["b"] = lambda i: b[i](xs[i])
     if fused:
-        variants["b_fused_silu"] = lambda i: fused_gate_up(cp, path_b, b[i].linear.qweight, b[i].linear.scales,
-                                                           xs[i], hs[i], num_sms)
+        variants["b_fused_silu"] = lambda i: fused_gate_up(cp, path_b, b[i].linear, xs[i], hs[i])
     graphs = {}
     for variant, call in variants.items():
         graphs[variant] = timer.capture(lambda call=call: [call(i % copies) for i in range(calls)])

@@ -106,18 +106,17 @@ def bench_gemv(cp, module, l2_bytes, num_sms, name, kernel, projection, n, k, bi
     function = module.get_function(kernel)
     set_carveout(function, GEMV_CARVEOUT_PERCENT[kernel])
     ring_bytes = fit_gemv_rings(function, module, kernel)
+    splits = projection_splits(projection, rows, k, num_sms)
+    grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)  # gate+up: a block per tile of gate's rows
     if fused:
-        splits, out = projection_splits(projection, rows, k, num_sms), cp.empty(n, dtype=cp.float16)
-        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
+        out = cp.empty(n, dtype=cp.float16)
         out_bytes = n * 2
 
         def launch(i):
             function(grid, block, (qweights[i], scales[i], x, out), shared_mem=shared_mem)
     else:
-        splits = projection_splits(projection, n, k, num_sms)
         out = cp.empty(n, dtype=cp.float32)
         bias_array = (0.1 * cp.random.standard_normal(n, dtype=cp.float32)).astype(cp.float16) if bias else None
-        grid, block, shared_mem = gemv_launch(kernel, n, splits, ring_bytes)
         out_bytes = n * 4 + (n * 2 if bias else 0)
 
         def launch(i):

@@ -14,6 +14,10 @@ import numpy as np
 from ..loader import Int4Linear
 from ..quant import dequantize_int4, quantize_int4
 
+# The study's shapes -> the engine projection whose split-K rule Path B follows (q, k and v run as
+# q|k|v does)
+PROJECTION_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "qkv": "qkv", "o": "o", "gate+up": "gate_up", "down": "down"}
+
 
 def dequantized_reference(x: np.ndarray, linear: Int4Linear) -> np.ndarray:
     """fp16 [K] -> float64 [N]: the fp16 activations times the dequantized fp32 weights, in

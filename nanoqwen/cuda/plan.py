@@ -94,9 +94,12 @@ def gate_up_registers(sm: SmBudget = HOPPER_SM) -> int:
     return bounded_registers(GATE_UP_MIN_BLOCKS, GATE_UP_MAX_SPLITS, sm)
 
 
-# The deeper of q|k|v's and o's rings, as kernels/gemv_int4.cu sets them by default
-CHAIN_GEMV_STAGES = max(int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS[GEMV_KERNELS[projection]]])
-                        for projection in ("qkv", "o"))
+def default_stages(kernel: str) -> int:
+    """GEMV `kernel`'s ring depth as kernels/gemv_int4.cu sets it when no -D option does."""
+    return int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS[kernel]])
+
+
+CHAIN_GEMV_STAGES = max(default_stages(GEMV_KERNELS[projection]) for projection in ("qkv", "o"))  # the deeper ring
 
 
 def chain_block_shared_bytes(splits: int, group_size: int) -> int:
@@ -105,7 +108,7 @@ def chain_block_shared_bytes(splits: int, group_size: int) -> int:
     return splits * planned_ring_bytes(QKV_ROPE_KERNEL, CHAIN_GEMV_STAGES, group_size) + GEMV_MAX_SPLITS * TILE_ROWS * 4
 
 
-GATE_UP_STAGES = int(macro_defaults("gemv_int4.cu")[GEMV_STAGES_MACROS["gemv_int4_gate_up_silu"]])
+GATE_UP_STAGES = default_stages("gemv_int4_gate_up_silu")
 
 
 def gate_up_block_shared_bytes(splits: int, hidden_size: int, group_size: int) -> int:
