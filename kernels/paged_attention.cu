@@ -111,7 +111,7 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   extern __shared__ __align__(128) unsigned char shared_raw[];
   DecodeShared& sh = *reinterpret_cast<DecodeShared*>(shared_raw);
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int split = blockIdx.x, kv_head = blockIdx.y, splits = gridDim.x;
+  const int splits = gridDim.x;
   // A verify pass (gridDim.z rows, one new token each) attends row r at position seq_len + r - 1,
   // over one position more than row r - 1: causal among the new rows, each row a decode step's.
   const int row = blockIdx.z;
@@ -126,10 +126,16 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
   // still runs, so that after the wait the first copies and q are one round trip away.
   const int seq_len = *seq_len_ptr + row;
   const auto [num_pages, pages_per_split, active_splits] = divide_sequence(seq_len, splits);
-  if (seq_len <= 0 || split * pages_per_split >= num_pages) {
+  // The busy blocks are the grid's first KVH x active_splits in launch order (x fastest): the
+  // block scheduler deals consecutive blocks to different SMs, so they spread over all of them.
+  // Numbered (split, KV head) = (x, y) instead, the busy splits of each head are the first of
+  // its row, and the later heads' land on the SMs the earlier heads' took.
+  const int block = blockIdx.x + blockIdx.y * splits;
+  if (seq_len <= 0 || block >= PA_KVH * active_splits) {
     wait_for_previous_kernel();  // an idle block waits too, or the chain of completions breaks
     return;  // the whole block: no barrier yet
   }
+  const int kv_head = block / active_splits, split = block % active_splits;
   const int first_page = split * pages_per_split;
   const int block_pages = min(pages_per_split, num_pages - first_page);
   // Producer lane l holds the id of the block's page 32 r + l while the producer is at round r
