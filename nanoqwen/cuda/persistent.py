@@ -1,6 +1,6 @@
 """Every layer of a decode step in one launch: the host side of kernels/decode_persistent.cu.
 
-With `CudaBackend.persistent` on (off by default: on an H100 it decodes the 7B in 3.6 ms per token
+With `CudaBackend.persistent` on (off by default: on an H100 it decodes the 7B in 3.8 ms per token
 against 1.9 ms with a kernel per operation, results/decode-by-size-h100.md and chapter 13 say why), a
 decode step is four launches instead of 8 per layer:
 
