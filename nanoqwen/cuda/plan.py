@@ -257,7 +257,8 @@ def verify_kernel(name: str, tokens: int) -> str:
 
 def verify_splits(kernel: str, config, num_sms: int, sm: SmBudget = HOPPER_SM) -> int:
     """Warps per block of a verify GEMV: decode's split of the same projection, so that each row's
-    sums are added in decode's order."""
+    sums are added in decode's order. The pass launches with the uploaded layer's own `splits`;
+    this sizes the kernels' shared memory before the layers are uploaded."""
     projection = VERIFY_GEMVS[kernel].projection
     out_features, in_features = config.projection_shapes[projection]
     return projection_splits(projection, out_features, in_features, num_sms, config.group_size, sm)

@@ -89,11 +89,11 @@ class VerifyPass:
         self.kernels["lm_head_logits_rows"].max_dynamic_shared_size_bytes = rows * c.hidden_size * 2
 
     def _verify_gemv(self, name: str, linear, tokens: int, args) -> None:
-        # gate+up's blocks take a tile of gate's rows and the same rows of up
+        # gate+up's blocks take a tile of gate's rows and the same rows of up; every row's sums are
+        # added in decode's order because the pass takes the split decode launches `linear` with
         rows = self.config.intermediate_size if name == "gemv_int4_gate_up_silu_rows" else linear.out_features
         kernel = verify_kernel(name, tokens)
-        grid, block, shared = gemv_launch(VERIFY_GEMVS[name].decode_kernel, rows,
-                                          verify_splits(name, self.config, self.num_sms, self.sm),
+        grid, block, shared = gemv_launch(VERIFY_GEMVS[name].decode_kernel, rows, linear.splits,
                                           self._verify_ring_bytes[kernel])
         self.kernels[kernel](grid, block, (*args, np.int32(tokens)), shared_mem=shared)
 
