@@ -101,10 +101,15 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
 //   both set (prefill's lm_head passes null: the host chooses from its logits)
 // What an earlier kernel of the step wrote is read with ordinary loads: no __restrict__ on its
 // pointer and no __ldg, see nanoqwen/cuda/launch.py ("the read-only path").
-// Three blocks per SM (24 warps, each with a row in flight) fit at 80 registers a thread
-// (__launch_bounds__ holds ptxas to it): the sampler's float64 noise must not cost greedy decode
-// a block per SM.
-extern "C" __global__ void __launch_bounds__(LM_THREADS, 3)
+// A thread holds its row's pieces (4 registers each) and about 24 registers besides. Up to 14
+// pieces (hidden sizes to 3584) three blocks per SM fit at 80 registers a thread, 24 warps each
+// with a row in flight; wider rows take two blocks per SM (128 registers), about as many bytes
+// in flight per SM, where at three ptxas spills the pieces to local memory (hidden 5120: 364
+// bytes a thread). __launch_bounds__ holds ptxas to the count: the sampler's float64 noise must
+// not cost greedy decode a block per SM.
+constexpr int LM_REGISTERS = 4 * LM_PIECES_PER_LANE + 24;
+constexpr int LM_MIN_BLOCKS = LM_REGISTERS <= 80 ? 3 : LM_REGISTERS <= 128 ? 2 : 1;
+extern "C" __global__ void __launch_bounds__(LM_THREADS, LM_MIN_BLOCKS)
 lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
                float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,
                const SamplerSettings* sampler) {

@@ -157,8 +157,10 @@ __device__ __forceinline__ void qkv_rope_rows(const unsigned int* __restrict__ q
   int rows[1][2], head_slot, first_dim;
   rope_tile_rows(blockIdx.x, rows, head_slot, first_dim);
   const int head_row = head_slot * NQ_HEAD_DIM;
-  const int first_position = positions[0];
   rows_tile_sums<NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, TOKENS>(qweight, scales, x, rows, tokens);
+  // Read after the sums, not before: held through the GEMV, it cost the narrow kernel a spill
+  // within its 64 registers at hidden sizes to 2048.
+  const int first_position = positions[0];
   for (int base = 0; base < tokens * TILE_ROWS; base += blockDim.x) {
     const int e = base + threadIdx.x, token = e / TILE_ROWS, m = e % TILE_ROWS;
     const bool finishes = token < tokens;

@@ -19,6 +19,7 @@ PagedAttention when that module exists; the graph test needs the latter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -51,7 +52,9 @@ ODD = ModelConfig(
     vocab_size=1003, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-CONFIGS = {"7b": QWEN25_CODER_7B, "odd": ODD}
+# The 14B's and 32B's width: rows of 5120 halves, which lm_head reads at two blocks per SM.
+WIDE = dataclasses.replace(ODD, hidden_size=5120, intermediate_size=1024, num_heads=40, num_kv_heads=8, head_dim=128)
+CONFIGS = {"7b": QWEN25_CODER_7B, "odd": ODD, "wide": WIDE}
 DOT_RTOL = 2e-5
 SAMPLED_ROWS = 384  # rows checked against the float64 reference in the large matrices
 
@@ -407,7 +410,7 @@ def test_silu_mul_rows(config_name):
 # ---------------------------------------------------------------------- lm_head + argmax
 
 
-@pytest.mark.parametrize("config_name", ["7b", "odd"])
+@pytest.mark.parametrize("config_name", ["7b", "odd", "wide"])
 @pytest.mark.parametrize("grid", ["persistent", "7 blocks"])
 def test_lm_head_and_greedy_argmax(config_name, grid):
     c = CONFIGS[config_name]
