@@ -228,7 +228,7 @@ def summarize_persistent(config, records, bandwidth: float, prompt_tokens: int =
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a .nanoqwen file (a 7B-shaped one: nanoqwen.random_model)")
+    parser.add_argument("model", help="a .nanoqwen file of any size (random weights of a published shape: nanoqwen.random_model)")
     parser.add_argument("--steps", type=int, default=TIMING_STEPS)
     parser.add_argument("--context", type=int, default=STEP_PROMPT_TOKENS,
                         help="tokens of the random prompt the timed steps follow (default %(default)s)")
