@@ -48,9 +48,9 @@ def parse_ptxas(log: str) -> list[dict]:
     return kernels
 
 
-def compile_source(config, source: Path, folder: Path) -> tuple[str | None, list[dict]]:
-    """nvcc's error log (None when it built) and ptxas's records of `source` at `config`'s sizes."""
-    command = build.nvcc_command(config, source, folder / f"{source.stem}-{id(config)}.cubin")
+def compile_source(preset: str, source: Path, folder: Path) -> tuple[str | None, list[dict]]:
+    """nvcc's error log (None when it built) and ptxas's records of `source` at the sizes of `preset`."""
+    command = build.nvcc_command(PRESETS[preset], source, folder / f"{source.stem}-{preset}.cubin")
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return result.stdout + result.stderr, []
@@ -67,12 +67,12 @@ def compile_all(report: Path) -> int:
         "",
         f"{'file':<24} {'kernel':<40} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9}",
     ]
-    jobs = [(name, config, source) for name, config in PRESETS.items() for source in sources]
+    jobs = [(preset, source) for preset in PRESETS for source in sources]
     failures, spills_elsewhere = [], []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        results = pool.map(lambda job: compile_source(job[1], job[2], Path(tmp)), jobs)
-        for (name, config, source), (error, kernels) in zip(jobs, results):
-            is_report = config is QWEN25_CODER_7B
+        results = pool.map(lambda job: compile_source(*job, Path(tmp)), jobs)
+        for (name, source), (error, kernels) in zip(jobs, results):
+            is_report = PRESETS[name] is QWEN25_CODER_7B
             if error is not None:
                 failures.append(f"{name} {source.name}: nvcc failed\n{error}")
                 if is_report:
