@@ -107,8 +107,12 @@ __device__ __forceinline__ void scan_rows(const uint4* __restrict__ weight, floa
 // in flight per SM, where at three ptxas spills the pieces to local memory (hidden 5120: 364
 // bytes a thread). __launch_bounds__ holds ptxas to the count: the sampler's float64 noise must
 // not cost greedy decode a block per SM.
+constexpr int SM_REGISTERS = 65536;  // a Hopper SM's register file
 constexpr int LM_REGISTERS = 4 * LM_PIECES_PER_LANE + 24;
-constexpr int LM_MIN_BLOCKS = LM_REGISTERS <= 80 ? 3 : LM_REGISTERS <= 128 ? 2 : 1;
+// The registers a thread may take when `blocks` blocks share an SM, in ptxas's steps of 8 (the
+// host's plan.bounded_registers).
+constexpr int lm_register_budget(int blocks) { return SM_REGISTERS / (blocks * LM_THREADS) / 8 * 8; }
+constexpr int LM_MIN_BLOCKS = LM_REGISTERS <= lm_register_budget(3) ? 3 : LM_REGISTERS <= lm_register_budget(2) ? 2 : 1;
 extern "C" __global__ void __launch_bounds__(LM_THREADS, LM_MIN_BLOCKS)
 lm_head_logits(const uint4* x, const uint4* __restrict__ weight, float* __restrict__ logits,
                float* __restrict__ candidate_values, int* __restrict__ candidate_indices, const int* state,

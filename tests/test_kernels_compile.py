@@ -7,6 +7,7 @@ that the committed results/ptxas-report.txt changes only when someone regenerate
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def test_every_kernel_compiles_without_spills(tmp_path):
     for kernel in ("add_rmsnorm", "gemv_int4_from_hidden", "gemv_int4_gate_up_silu", "lm_head_logits",
                    "argmax_select_next", "rope_write_kv", "embed_tokens"):
         assert kernel in text, f"{kernel} missing from the ptxas report"
-    assert "qwen2.5-coder-32b): none" in text, "a kernel spills at another published size"
+    assert re.search(r"^spills at the other published sizes \(.+\): none$", text, re.M), "a kernel spills at another published size"
 
 
 def test_ptxas_report_parser():

@@ -20,11 +20,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-from concurrent.futures import ThreadPoolExecutor
 
 from nanoqwen.cuda import build
 from nanoqwen.random_model import PRESETS, QWEN25_CODER_7B
