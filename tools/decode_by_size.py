@@ -114,7 +114,9 @@ def main() -> int:
         print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
               f"({100 * r['share_of_floor']:.1f}%), the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
               f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
-        record = {**header, "read_bandwidth_bytes_per_s": bandwidth, "complete": len(rows) == len(plan), "rows": rows}
+        in_size_order = sorted(rows, key=lambda row: (SIZES.index(row["model"]), row["context"]))  # whatever order ran
+        record = {**header, "read_bandwidth_bytes_per_s": bandwidth, "complete": len(rows) == len(plan),
+                  "rows": in_size_order}
         write_record(args.out, record, markdown(record))
     return 0
 
