@@ -1,9 +1,10 @@
 """`nanoqwen bench`: the article's protocol (a 512-token prompt, 128 greedy tokens) on the GPU.
 
 It reports time to first token, decode ms/token and tokens/s, the bytes one decoded token must
-read (the byte floor) with the achieved GB/s and the share of the floor, eager against graph
-decode, the graph with programmatic dependent launch against without (`step.pdl`), and where
-the microseconds of one step go, kernel by kernel. It also times sampled decoding
+read (the byte floor, over the read bandwidth it measures on the GPU first) with the achieved GB/s
+and the share of the floor, eager against graph decode, the graph with programmatic dependent
+launch against without (`step.pdl`), and where the microseconds of one step go, kernel by
+kernel. It also times sampled decoding
 (`sampled_decode`): temperature, top-k (with top-p or not) and top-p alone draw on the device,
 except the steps of a top-p alone whose run is longer than the 1,024 tokens the device keeps,
 which the host draws from the step's logits. With `--baseline` it
