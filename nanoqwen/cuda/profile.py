@@ -9,11 +9,9 @@ which is what a user waits: wall-clock time per step of steps issued back to bac
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
@@ -167,8 +165,8 @@ def time_host_loop(backend, step, steps: int, start_position: int, page_table) -
 
 def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     """A CudaBackend of `model` holding a random prompt of `prompt_tokens` tokens, with pages for
-    TIMING_STEPS decode steps after it: where the step-level tools (tools/sweep_gemv_stages.py,
-    tools/step_ablation.py) start. Prefill dequantizes per prompt, so no fp16 copies take memory.
+    TIMING_STEPS decode steps after it: where the step-level tools (tools/step_timeline.py) start.
+    Prefill dequantizes per prompt, so no fp16 copies take memory.
     Returns (backend, page_table)."""
     from ..kvcache import pages_needed
     from .backend import CudaBackend
@@ -216,17 +214,6 @@ def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
         "steps_per_timing": TIMING_STEPS,
         "rows": rows,
     }
-
-
-def report_step_timings(tool: str, argv: list[str], rows: list[dict], header: list[str], cells: list[list],
-                        json_path=None) -> None:
-    """Print a step-level tool's results as a Markdown table (`cells`, one list per row, under
-    `header`) and, given `json_path`, write `rows` there as a step_timing_record."""
-    from ..book.notebook import markdown_table
-
-    print(markdown_table(header, cells))
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps(step_timing_record(tool, argv, rows), indent=1))
 
 
 def pdl_comparison(backend, start_position: int, page_table, rounds: int = PDL_ROUNDS) -> dict:
