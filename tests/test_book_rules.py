@@ -5,6 +5,8 @@
 * the product speaks of itself: no words of how the project was made (numbered work sessions and
   calls, experiment branches, issue numbers) in the tracked files of chapters/, book/,
   kernels/, nanoqwen/, tools/, results/, README.md and ARCHITECTURE.md;
+* a record the product or its tests cite by file name under results/ exists: results/ holds what the book,
+  README and ARCHITECTURE cite, and a record that goes takes its citations with it;
 * rendered output is part of the page: no warning, traceback or local path in the output of a
   code cell of `_build/html/chapters/*.html` (skipped when the book has not been built).
 
@@ -38,6 +40,7 @@ HISTORY = re.compile("|".join([
     "this" + r" tree\b",
 ]), re.IGNORECASE)
 ALLOWED = re.compile(r"start_new_session")  # subprocess.Popen's argument, not a work session
+CITED_RECORD = re.compile(r"\bresults/[\w.-]+?\.(?:md|json|txt)\b")
 BAD_OUTPUT = re.compile(r"Warning|Traceback|/work/|/tmp/|/home/")
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -182,6 +185,19 @@ def test_the_product_speaks_of_itself():
                            + "\n".join(offenders))
 
 
+def test_every_cited_record_exists():
+    tests = sorted((REPO / "tests").glob("*.py"))
+    missing = []
+    for path in [*product_files(), *tests]:
+        text = text_of(path)
+        if text is None:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            missing += [f"{path.relative_to(REPO)}:{number}: {name}" for name in CITED_RECORD.findall(line)
+                        if not (REPO / name).is_file()]
+    assert not missing, "citations of records that results/ does not hold:\n" + "\n".join(missing)
+
+
 def test_rendered_output_is_clean():
     if not BUILT_CHAPTERS.parent.exists():
         pytest.skip("_build/html does not exist: build the book first (jupyter-book build . -W --keep-going)")
@@ -201,6 +217,8 @@ def test_the_rules_catch_what_they_should():
     assert [w for _, w in history_words(text)] == words
     assert history_words("subprocess.Popen(cmd, start_new_session=True)\nthe sessions of a server") == []
     assert prose_lines("a\n```python\n## What we learned\n```\nb") == ["a", "b"]
+    assert CITED_RECORD.findall("see results/bench-7b-h100.md, results/x-h200.{md,json} or results/") == [
+        "results/bench-7b-h100.md"]
 
     page = ('<div class="cell docutils container"><div class="cell_input"><pre>import warnings</pre></div>'
             '<div class="cell_output docutils container"><div class="output stderr"><pre>'

@@ -102,8 +102,8 @@ def test_a_top_p_alone_hands_long_runs_to_the_host(engines, monkeypatch):
 
 def test_logits_for_the_host_leave_the_sampler_greedy(engines):
     """A step whose token the host chooses does not pay for the last request's device draw: the
-    filtered select in argmax_select_next costs 67 us or more at the 7B's vocabulary
-    (results/sampled-select-h200.md)."""
+    filtered select in argmax_select_next costs 66 us or more at the 7B's vocabulary
+    (results/kernels-h200.md)."""
     cuda, _ = engines
     cuda.generate(PROMPTS[0], max_new_tokens=4, temperature=0.8, top_k=20, seed=1)
     assert cuda.backend.sampler.get().any()  # the request's settings are still there

@@ -106,9 +106,9 @@ class Protocol:
 FIXED = Protocol("fixed")
 # A second mbarrier empty[s], on which lane 0 arrives after a __syncwarp: correct on the hardware
 # (the __syncwarp orders lanes 1-31's reads before lane 0's arrival), but racecheck 2025.3 does not
-# follow that chain (results/sanitizer-probe-h200.md). Every stage is released.
+# follow that chain (chapter 5, "Why a named barrier"). Every stage is released.
 LANE0_MBARRIER = Protocol("empty mbarrier, lane 0 arrives", empty="lane0", release_only_refilled=False)
-# The other hand-off racecheck accepts (results/sanitizer-probe-h200.md): each lane arrives itself.
+# A second mbarrier on which every lane arrives itself: no lane's read is released by another.
 LANE_ARRIVALS = Protocol("empty mbarrier, every lane arrives", empty="lanes", release_only_refilled=False)
 # The bug: the synchronous kernel's one __syncthreads() moved inside the producer's branch.
 BROKEN = Protocol(
@@ -214,7 +214,7 @@ def reads_released_by_others(protocol: Protocol, num_pages: int, stages: int, co
     1-31 reach lane 0's arrival through __syncwarp. The hardware (and this model) follows
     that chain; compute-sanitizer's racecheck 2025.3 reports a WAR on exactly these reads,
     lanes 1-31 and never lane 0, on every small bulk-copy ring released that way
-    (results/sanitizer-probe-h200.md).
+    (chapter 5, "Why a named barrier").
     """
     found = []
     for actor in build_programs(protocol, num_pages, stages, consumers).actors[1:]:
