@@ -716,6 +716,25 @@ def test_prefill_from_kept_weights_equals_prefill_from_expanded_ones(tiny_model)
     assert CudaBackend(tiny_model, 8).prefill_weights == "cache", "a tiny model always fits: auto keeps the copies"
 
 
+def test_auto_prefill_weights_count_no_block_another_stream_keeps():
+    """A block freed on the default stream and then split there stays in CuPy's pool, usable by that
+    stream only; "auto" must not count it as room for the backend's copies. The 32B's copies leave
+    about 2 GiB of an 80 GB H100 free, so one such block decides whether its first prefill finds
+    room."""
+    from nanoqwen.cuda.device import free_device_bytes
+
+    pool = cp.get_default_memory_pool()
+    gib = 1 << 30
+    before = free_device_bytes()
+    block = cp.empty(gib, dtype=cp.uint8)
+    del block  # one free GiB in the default stream's arena
+    piece = cp.empty(gib // 2, dtype=cp.uint8)  # split from it (no other free block is as large)
+    assert pool.free_bytes() >= gib // 2, "the pool keeps the other half, which cannot go back to the driver"
+    assert free_device_bytes() < before - gib + 64 * 2**20, "the kept half counted as free"
+    del piece
+    assert free_device_bytes() > before - 64 * 2**20, "the merged GiB goes back to the driver"
+
+
 def test_rope_in_the_qkv_gemv_changes_no_bit_of_a_decode_step(tiny_model):
     """Decode's fused q|k|v + RoPE kernel (the fp16 default) against the plain GEMV followed by
     rope_write_kv: the same logits and the same cache, bit for bit, over steps that fill a tail

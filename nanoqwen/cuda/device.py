@@ -1,8 +1,8 @@
 """Host memory and driver settings the CUDA backend needs beyond CuPy's arrays.
 
 Pinned, mapped host rows that a kernel stores to directly (the decode state's head, so the host
-reads each step's token without a copy in the stream); a kernel's shared-memory carve-out and its
-dynamic shared memory; the size of a persistent grid.
+reads each step's token without a copy in the stream); the device memory a new allocation can get;
+a kernel's shared-memory carve-out and its dynamic shared memory; the size of a persistent grid.
 """
 
 from __future__ import annotations
@@ -28,6 +28,19 @@ def mapped_host_array(shape, dtype) -> tuple[np.ndarray, object]:
     memory = cp.cuda.PinnedMemory(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
     array = np.frombuffer((ctypes.c_byte * nbytes).from_address(memory.ptr), dtype=dtype).reshape(shape)
     return array, memory
+
+
+def free_device_bytes() -> int:
+    """Device memory an allocation on any stream can still get: the driver's free memory once CuPy's
+    pool has handed its cached blocks back. A cached block the pool keeps after that is the free
+    part of a split block, which only the stream that freed it reuses, so it is not counted: a
+    large block freed on the default stream and then split by small arrays there is no use to the
+    backend's stream."""
+    import cupy as cp
+
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    return free
 
 
 def fit_gemv_rings(kernel, module, name: str) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..loader import Int4Linear
 from ..quant import tile_int4
+from .device import free_device_bytes
 from .plan import projection_splits
 
 PREFILL_WEIGHTS = ("auto", "cache", "expand")  # where prefill's fp16 matrices come from
@@ -99,9 +100,7 @@ class WeightUpload:
         cp = self._cp
         dense_bytes = sum(2 * lin.out_features * lin.in_features for lin in self._linears())
         if policy == "auto":
-            free, _ = cp.cuda.runtime.memGetInfo()
-            free += cp.get_default_memory_pool().free_bytes()
-            policy = "cache" if free >= dense_bytes + PREFILL_CACHE_HEADROOM_BYTES else "expand"
+            policy = "cache" if free_device_bytes() >= dense_bytes + PREFILL_CACHE_HEADROOM_BYTES else "expand"
         if policy == "cache":
             with self.stream:
                 for linear in self._linears():
