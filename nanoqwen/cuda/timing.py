@@ -62,7 +62,18 @@ READ_STREAM_BYTES = 2 << 30  # far past any L2, so every byte comes from device 
 def read_bandwidth(repeats: int = 10) -> float:
     """The device's read bandwidth in bytes/s, as a decode step reads its weights: a 2 GiB buffer of
     random bytes streamed once per repeat with 16-byte loads (median). The byte floors of the GPU
-    records divide by it."""
+    records divide by it. Its buffers go back to the driver before it returns: left in CuPy's pool,
+    later small arrays would split them, and the rest would stay cached for the current stream only
+    (nanoqwen.cuda.device.free_device_bytes)."""
+    import cupy as cp
+
+    ms = _read_stream_ms(repeats)
+    cp.get_default_memory_pool().free_all_blocks()
+    return READ_STREAM_BYTES / (ms / 1e3)
+
+
+def _read_stream_ms(repeats: int) -> float:
+    """Median ms of one pass of read_stream over READ_STREAM_BYTES; its buffers are freed at return."""
     import cupy as cp
 
     kernel = cp.RawKernel(_READ_STREAM, "read_stream")
@@ -71,5 +82,4 @@ def read_bandwidth(repeats: int = 10) -> float:
     out = cp.empty(blocks * threads, dtype=cp.uint32)
     stream = cp.cuda.get_current_stream()
     pieces = np.int64(READ_STREAM_BYTES // 16)
-    ms = gpu_ms(stream, lambda: kernel((blocks,), (threads,), (data, pieces, out)), repeats, warmup=2)
-    return READ_STREAM_BYTES / (ms / 1e3)
+    return gpu_ms(stream, lambda: kernel((blocks,), (threads,), (data, pieces, out)), repeats, warmup=2)
