@@ -227,19 +227,19 @@ class Engine:
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = self.tokenizer.encode_literal(prompt)
-            ids = self._check_token_ids(ids, "the encoded prompt")
+            ids = self._check_token_ids(ids, "the encoded prompt", "a flat sequence of integer token ids")
         else:
             if chat or fim_suffix is not None:
                 raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
-            ids = self._check_token_ids(prompt, "prompt")
+            ids = self._check_token_ids(prompt, "prompt", "text, chat messages or a flat sequence of integer token ids")
         if not ids:
             raise GenerationError("the prompt is empty (0 tokens)")
         return ids
 
-    def _check_token_ids(self, ids, what: str) -> list[int]:
+    def _check_token_ids(self, ids, what: str, accepted: str) -> list[int]:
         array = np.asarray(ids)
         if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-            raise GenerationError(f"{what} must be a string or a flat sequence of integer token ids, got {ids!r:.80}")
+            raise GenerationError(f"{what} must be {accepted}, got {ids!r:.80}")
         bad = array[(array < 0) | (array >= self.config.vocab_size)]
         if bad.size:
             raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
@@ -262,9 +262,12 @@ class Engine:
         if stop_token_ids is None:
             stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
         else:
+            if isinstance(stop_token_ids, (str, bytes)):
+                raise GenerationError(f"stop_token_ids takes token ids, not text, got {stop_token_ids!r:.80}")
             if isinstance(stop_token_ids, (int, np.integer)):
                 stop_token_ids = [stop_token_ids]
-            stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids")
+            stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids",
+                                             "a token id or a flat sequence of integer token ids")
         ids = self.encode_prompt(prompt, chat, fim_suffix, allow_special_tokens)
         total = len(ids) + int(max_new_tokens)
         if total > self.max_context:

@@ -285,6 +285,8 @@ BAD_REQUESTS = [
     (dict(prompt="x", top_p=1.5), "top_p"),
     (dict(prompt="x", seed=-1), "seed"),
     (dict(prompt="x", stop_token_ids=[10**6]), "stop_token_ids"),
+    (dict(prompt="x", stop_token_ids="</s>"), "stop_token_ids takes token ids, not text"),
+    (dict(prompt="x", stop_token_ids=[1.5]), "stop_token_ids must be a token id or a flat sequence"),
     (dict(prompt=[1, 2], chat=True), "need a text prompt"),
     (dict(prompt=[1, 2], fim_suffix="y"), "need a text prompt"),
     (dict(prompt="x", chat=True, fim_suffix="y"), "cannot be combined"),
