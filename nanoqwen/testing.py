@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
+__all__ = ["ACCEPTED_SHAPES", "CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
            "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files", "reference_model",
            "rounding_noise", "rounding_tolerance"]
 
@@ -64,6 +64,16 @@ FAMILY_SHAPES = {
     "8:1 over 16 query heads": dict(hidden_size=1024, intermediate_size=2048, num_heads=16, num_kv_heads=2, head_dim=64),
     "14B widths: 40 and 108 groups, 5:1": dict(num_layers=1, hidden_size=5120, intermediate_size=13824, num_heads=40,
                                                num_kv_heads=8, head_dim=128, vocab_size=1024),
+}
+
+# Shapes no published size has that the converter and both backends accept: head_dim 96, and query
+# heads whose total width differs from the hidden size (head_dim given apart from hidden / num_heads).
+ACCEPTED_SHAPES = {
+    "head_dim 96, 2:1": dict(hidden_size=384, intermediate_size=768, num_heads=4, num_kv_heads=2, head_dim=96),
+    "queries wider than hidden (4 x 128 over 256)": dict(hidden_size=256, intermediate_size=512, num_heads=4,
+                                                         num_kv_heads=2, head_dim=128),
+    "queries narrower than hidden (4 x 64 over 512), 4:1": dict(hidden_size=512, intermediate_size=512, num_heads=4,
+                                                                num_kv_heads=1, head_dim=64),
 }
 
 # Code edits whose output mostly copies the prompt, the case speculative decoding is for: nano-coder

@@ -19,7 +19,7 @@ import nanoqwen
 from nanoqwen.reference import backend as backend_numpy
 from nanoqwen.backends import cuda_available
 from nanoqwen.quant import dequantize_int4, quantize_int4
-from nanoqwen.testing import make_nanoqwen, reference_model
+from nanoqwen.testing import ACCEPTED_SHAPES, make_nanoqwen, reference_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -104,6 +104,7 @@ ASPECT_RATIOS = {
     "1:1, head_dim 64": dict(hidden_size=256, intermediate_size=768, num_heads=4, num_kv_heads=4, head_dim=64),
     "8:1 over 16 heads, 4 layers": dict(num_layers=4, hidden_size=1024, intermediate_size=2816, num_heads=16,
                                         num_kv_heads=2, head_dim=64),
+    **ACCEPTED_SHAPES,  # head_dim 96, and query heads wider or narrower than hidden
 }
 
 

@@ -1,6 +1,7 @@
-"""The CUDA engine against the NumPy backend at the shapes the Qwen2 family has (GPU only).
+"""The CUDA engine against the NumPy backend at the Qwen2 family's shapes and beyond (GPU only).
 
-The published sizes differ in more than their widths (nanoqwen.testing.FAMILY_SHAPES). Each case
+The published sizes differ in more than their widths (nanoqwen.testing.FAMILY_SHAPES), and the converter
+accepts shapes none of them has (ACCEPTED_SHAPES: head_dim 96, queries wider or narrower than hidden). Each case
 is a small model with that feature, on `nanoqwen.testing`'s weights (clear top-1 margins), run
 teacher-forced through prefill (an odd prompt length, so the last page is partly filled) and
 decode steps that cross a page boundary; both backends follow the same numerics contract, so their
@@ -12,7 +13,9 @@ import pytest
 
 from nanoqwen import Engine
 from nanoqwen.backends import cuda_available
-from nanoqwen.testing import FAMILY_SHAPES, make_nanoqwen
+from nanoqwen.testing import ACCEPTED_SHAPES, FAMILY_SHAPES, make_nanoqwen
+
+SHAPES = {**FAMILY_SHAPES, **ACCEPTED_SHAPES}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,9 +28,9 @@ DECODE_STEPS = 14  # up to position 34: into a third page
 MAX_RELATIVE_ERROR = 1e-2
 
 
-@pytest.mark.parametrize("name", FAMILY_SHAPES)
+@pytest.mark.parametrize("name", SHAPES)
 def test_cuda_logits_follow_numpy(name, tmp_path):
-    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **FAMILY_SHAPES[name])
+    path = make_nanoqwen(tmp_path, tokenizer=False, seed=len(name), **SHAPES[name])
     prompt = np.random.default_rng(1).integers(0, 512, PROMPT_TOKENS).astype(np.int32)
     tokens, runs = None, {}
     for backend in ("numpy", "cuda"):  # numpy first: its tokens feed both (teacher forcing)
