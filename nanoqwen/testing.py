@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["ACCEPTED_SHAPES", "CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
+__all__ = ["ACCEPTED_SHAPES", "CHECKED_SHAPES", "CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
            "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files", "reference_model",
            "rounding_noise", "rounding_tolerance"]
 
@@ -75,6 +75,7 @@ ACCEPTED_SHAPES = {
     "queries narrower than hidden (4 x 64 over 512), 4:1": dict(hidden_size=512, intermediate_size=512, num_heads=4,
                                                                 num_kv_heads=1, head_dim=64),
 }
+CHECKED_SHAPES = {**FAMILY_SHAPES, **ACCEPTED_SHAPES}  # every shape the engine tests run at
 
 # Code edits whose output mostly copies the prompt, the case speculative decoding is for: nano-coder
 # continues each by copying the code above it with the change the comment asks for.

@@ -14,14 +14,14 @@ import pytest
 
 import nanoqwen
 from nanoqwen.backends import cuda_available
-from nanoqwen.testing import ACCEPTED_SHAPES, FAMILY_SHAPES, make_nanoqwen
+from nanoqwen.testing import CHECKED_SHAPES, FAMILY_SHAPES, make_nanoqwen
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA GPU"),
 ]
 
-SHAPES = {**FAMILY_SHAPES, **ACCEPTED_SHAPES,
+SHAPES = {**CHECKED_SHAPES,
           "7B widths, one layer": dict(num_layers=1, hidden_size=3584, intermediate_size=18944, num_heads=28,
                                        num_kv_heads=4, head_dim=128, vocab_size=2048)}
 PAGES = 8

@@ -14,9 +14,9 @@ from nanoqwen.config import ModelConfig
 from nanoqwen.cuda.attention import decode_splits, split_pages
 from nanoqwen.cuda.plan import projection_splits
 from nanoqwen.random_model import PRESETS
-from nanoqwen.testing import ACCEPTED_SHAPES, DEFAULT_CONFIG, FAMILY_SHAPES
+from nanoqwen.testing import CHECKED_SHAPES, DEFAULT_CONFIG
 
-SHAPES = {**PRESETS, **{name: ModelConfig(**{**DEFAULT_CONFIG, **over}) for name, over in {**FAMILY_SHAPES, **ACCEPTED_SHAPES}.items()},
+SHAPES = {**PRESETS, **{name: ModelConfig(**{**DEFAULT_CONFIG, **over}) for name, over in CHECKED_SHAPES.items()},
           "default": ModelConfig(**DEFAULT_CONFIG)}
 
 
