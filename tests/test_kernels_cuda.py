@@ -716,7 +716,7 @@ def test_prefill_from_kept_weights_equals_prefill_from_expanded_ones(tiny_model)
     assert CudaBackend(tiny_model, 8).prefill_weights == "cache", "a tiny model always fits: auto keeps the copies"
 
 
-def test_auto_prefill_weights_count_no_block_another_stream_keeps():
+def test_free_device_bytes_leave_out_a_block_only_one_stream_reuses():
     """A block freed on the default stream and then split there stays in CuPy's pool, usable by that
     stream only; "auto" must not count it as room for the backend's copies. The 32B's copies leave
     about 2 GiB of an 80 GB H100 free, so one such block decides whether its first prefill finds
