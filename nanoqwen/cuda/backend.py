@@ -45,7 +45,7 @@ from .device import fit_gemv_rings, set_carveout, sm_budget
 from .launch import StepKernel
 from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
-from .plan import GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
+from .plan import GEMV_CARVEOUT_PERCENT, GEMV_FORMS, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
 from .verify import VerifyPass
@@ -134,13 +134,16 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
                 *(f"{name}_{width}" for name in VERIFY_GEMVS for width in VERIFY_WIDTHS), "lm_head_logits_rows",
-                "verify_select", PERSISTENT_KERNEL,
+                "verify_select", PERSISTENT_KERNEL, *GEMV_FORMS,
             )
         }
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
         for name, percent in GEMV_CARVEOUT_PERCENT.items():
             set_carveout(self.kernels[name], percent)
             self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
+        for form, base in GEMV_FORMS.items():  # a form launches as its base kernel does
+            set_carveout(self.kernels[form], GEMV_CARVEOUT_PERCENT[base])
+            fit_gemv_rings(self.kernels[form], module, base)
         self._init_verify(module)
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
@@ -166,6 +169,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.use_graph = use_graph
         self._graph = None  # captured at the first graph decode
         self.rope_in_qkv = activations == "fp16"
+        self.norms_in_gemvs = activations == "fp16"
         self.pdl = pdl
         self.persistent = persistent and self._persistent_layers is not None
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
