@@ -179,6 +179,18 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     return backend, page_table
 
 
+# The kernels that end a decode layer: down, as the plain GEMV, its residual-adding form or Path A's
+DOWN_KERNELS = ("gemv_int4_from_intermediate", "gemv_int4_from_intermediate_into_residual", "gemv_int4_int8_intermediate")
+
+
+def layer_spans(names: list[str]) -> list[tuple[int, int]]:
+    """(first, last + 1) launch indices of each layer in a decode step's kernel names (step_launch_names):
+    a layer runs from the launch after the previous layer's down (after the embedding, for layer 0)
+    to its own down, its input norm first where that is a kernel."""
+    downs = [k for k, name in enumerate(names) if name in DOWN_KERNELS]
+    return list(zip([1] + [k + 1 for k in downs[:-1]], [k + 1 for k in downs]))
+
+
 def step_launch_names(backend) -> list[str]:
     """The kernel of every launch of one decode step of a CudaBackend, in launch order, the
     attention object's two kernels included; nothing is launched."""
