@@ -27,12 +27,12 @@ import pytest
 
 from nanoqwen.cuda import graph as cuda_graph
 from nanoqwen.cuda import profile
-from nanoqwen.cuda.plan import GEMV_FORMS
 from nanoqwen.cuda import launch as cuda_launch
 from nanoqwen.cuda.launch import (
     KERNELS_THAT_WAIT, LaunchError, ProgrammaticKernel, StepKernel, pack_arguments, programmatic_launches,
     programmatic_launches_active,
 )
+from nanoqwen.cuda.plan import GEMV_FORMS
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 PROGRAMMATIC = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION in cuda.h

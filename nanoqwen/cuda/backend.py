@@ -8,21 +8,24 @@ the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 Decode, one token, every launch on `self.stream` (L = num_layers):
 
     embed_tokens                                   state.token -> residual (fp32)
+    add_rmsnorm_cluster                            layer 0's input norm: normed = norm(residual)
     per layer:
-      add_rmsnorm_cluster  residual += down of the layer before; normed = norm(residual)
-      gemv_int4_qkv_rope   normed -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16) into the
-                           cache at state.position                          split K in the block
+      gemv_int4_qkv_rope   normed (after layer 0: gemv_int4_qkv_rope_normalized, which normalizes
+                           the residual itself) -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16)
+                           into the cache at state.position                 split K in the block
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
-      gemv_int4_from_q_dim     attn -> o (fp32)                                split K in the block
-      add_rmsnorm_cluster  residual += o; normed = norm(residual)
-      gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
-      gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
+      gemv_int4_from_q_dim_into_residual     residual += o attn; each 16-row tile's sum of
+                           squares into tile_square_sums                    split K in the block
+      gemv_int4_gate_up_silu_normalized      norm(residual) -> silu(gate) * up (fp16)
+      gemv_int4_from_intermediate_into_residual  residual += down; tile sums   split K in the block
     add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax of the sampler's keys),
     argmax_select_next (+ top-k and top-p, when the sampler has them)
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
-add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
-the plain gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
+add_rmsnorm takes one block per row. With `norms_in_gemvs` off, every norm is an
+add_rmsnorm_cluster launch before the plain GEMV that reads `normed`. With INT8 activations, or
+`rope_in_qkv` off, q|k|v is the plain gemv_int4_from_hidden into a q|k|v buffer and
+rope_write_kv rotates and stores it; its input norm is then a kernel in every layer.)
 
 The class is assembled from its parts, one module each: weights (upload), step (buffers and one
 step's launches), pipeline (steps fed back to back, tokens read from host memory), prefill
