@@ -21,9 +21,8 @@
 //   global memory and the last of a tile's splits to arrive adds them in split order, as the block
 //   of the GEMV kernel does (add_splits), and finishes the tile (RoPE and the cache write, the
 //   residual update, or SwiGLU);
-// - the norm is add_rmsnorm_cluster's: every block that needs the normalized residual computes it,
-//   playing the cluster's 8 blocks' threads to add the squares in that kernel's order (norm_into,
-//   rmsnorm.cu's normalize_row_in_block);
+// - the norm is every decode form's: each block that needs the normalized residual computes it,
+//   adding the squares in decode's order (norm_into, rmsnorm.cu's normalize_row_in_block);
 // - attention is the decode kernel's units (split, KV head), four consumer warps each, with the same
 //   pages per consumer and the same merges (paged_attention.cuh), and the combine is its kernel's.
 #include "rmsnorm.cu"

@@ -67,15 +67,15 @@ __device__ __forceinline__ void load_weight_slice(const unsigned short* weight, 
   }
 }
 
-// The slice's updated residual into x; returns this thread's sum of squares. `thread` is the
-// thread's index in its block (the persistent decode kernel plays the cluster's threads itself).
+// The slice's updated residual into x; returns this thread's sum of squares (add_rmsnorm's order:
+// decode's kernels add the squares of x in decode's order instead).
 template <int THREADS, int VECTORS, int ITEMS>
 __device__ __forceinline__ float update_slice(const float4* residual_row, const float4* delta_row, int first,
-                                              float4 (&x)[ITEMS], int thread = threadIdx.x) {
+                                              float4 (&x)[ITEMS]) {
   float sum_squares = 0.0f;
 #pragma unroll
   for (int item = 0; item < ITEMS; ++item) {
-    const int i = thread + item * THREADS;
+    const int i = threadIdx.x + item * THREADS;
     if (i < VECTORS) {
       x[item] = updated_residual(residual_row, delta_row, first + i);
       sum_squares += squares(x[item]);
