@@ -222,7 +222,8 @@ __device__ __forceinline__ void x_place(const unsigned short*, NoPendingX, int, 
 //
 // Decode's norms stand between a GEMV that ends a sublayer (o, down) and one that begins the next
 // (q|k|v, gate+up). As a kernel of its own a norm is a launch and a round trip to L2 on the step's
-// chain, for a row that HBM would deliver in a hundredth of a microsecond. Decode's order of the squares (rmsnorm.cu) splits it at its seam:
+// chain, for a row that HBM would deliver in a hundredth of a microsecond. Decode's order of the
+// squares (rmsnorm.cu) splits it at its seam:
 // - the GEMV before the norm adds its rows into the residual itself, and the block that finishes a
 //   16-row tile stores the tile's sum of squares (the order's first step) into `tile_square_sums`,
 //   fp32 [H / 16] (gemv_int4_*_into_residual);
