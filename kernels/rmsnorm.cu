@@ -201,6 +201,7 @@ constexpr int CLUSTER_VECTORS = RMS_VECTORS / RMS_CLUSTER;  // float4 per block:
 constexpr int CLUSTER_THREADS_WANTED = (CLUSTER_VECTORS + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;
 constexpr int CLUSTER_THREADS = CLUSTER_THREADS_WANTED < 1024 ? CLUSTER_THREADS_WANTED : 1024;
 constexpr int CLUSTER_ITEMS = (CLUSTER_VECTORS + CLUSTER_THREADS - 1) / CLUSTER_THREADS;
+static_assert(RMS_VECTORS % RMS_CLUSTER == 0, "hidden_size / 4 must split evenly over the cluster");
 static_assert(CLUSTER_VECTORS % (NORM_TILE_VALUES / 4) == 0, "a cluster block must hold whole tiles of 16 values");
 
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
