@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks and records, one mode per call on an H100/H200 machine; each step is bounded so a
-# failure costs its own time only. Logs and records go under $OUT; a summary table is printed last.
-#   bash tools/gpu_session.sh checks   the GPU tests, `nanoqwen bench` on the 7B's shapes (with the
-#                                      transformers baseline), the step's timeline, the attention kernels
+# The GPU checks and records, one mode per call on an H100/H200 machine (tests, checks and sizes each
+# within ten minutes); each step is bounded so a failure costs its own time only. Logs and records go
+# under $OUT; a summary table is printed last.
+#   bash tools/gpu_session.sh tests    the GPU tests, then the attention kernels' checks
+#   bash tools/gpu_session.sh checks   `nanoqwen bench` on the 7B's shapes (with the transformers
+#                                      baseline), then the step's timeline
 #   bash tools/gpu_session.sh records  compute-sanitizer over a whole generation, the kernels one at a
 #                                      time, the check against transformers at every size
-#   bash tools/gpu_session.sh sizes    the decode speed at every size, both decode forms
+#   bash tools/gpu_session.sh sizes    the decode speed at every size, three forms of the step
 #   bash tools/gpu_session.sh persistent  the persistent kernel's tests, then the step's timeline inside it
 #   bash tools/gpu_session.sh speculative  the verify pass's tests, then its costs and acceptance
 #   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
@@ -31,14 +33,16 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 case "${1:-checks}" in
-  checks)
+  tests)
     # shellcheck disable=SC2086
-    step "GPU tests" 260 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
+    step "GPU tests" 300 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
+    step "attention kernels" 200 python3 tools/gpu_check_attention.py
+    ;;
+  checks)
     step "random 7B file" 60 python3 -m nanoqwen.random_model "$MODEL_7B" --preset qwen2.5-coder-7b
     step "bench 7B" 200 bash -c "python3 -m nanoqwen bench '$MODEL_7B' --baseline --json '$OUT/bench-7b-$GPU.json' \
       | tee '$OUT/bench-7b-$GPU.txt'"
     step "step timeline 7B" 120 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-$GPU.json"
-    step "attention kernels" 200 python3 tools/gpu_check_attention.py
     ;;
   records)
     step "sanitizers over a generation" 150 python3 tools/sanitize_engine.py --json "$OUT/sanitizer-engine-$GPU.json" \
@@ -58,7 +62,7 @@ case "${1:-checks}" in
     step "step timeline 7B" 150 python3 tools/step_timeline.py "$MODEL_7B" --json "$OUT/step-timeline-$GPU.json"
     ;;
   sizes)
-    step "decode by size" 420 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-$GPU"
+    step "decode by size" 570 python3 tools/decode_by_size.py --out "$OUT/decode-by-size-$GPU"
     ;;
   book)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
