@@ -163,19 +163,6 @@ __device__ __forceinline__ float tile_squares_of_float4s(float4 r) {
   return __fadd_rn(__fadd_rn(s.x, s.z), __fadd_rn(s.y, s.w));
 }
 
-// The same sum of 16 consecutive values in one thread, the butterfly's steps in sequence.
-__device__ __forceinline__ float tile_squares_of_values(const float* values) {
-  float s[NORM_TILE_VALUES];
-#pragma unroll
-  for (int m = 0; m < NORM_TILE_VALUES; ++m) s[m] = __fmul_rn(values[m], values[m]);
-#pragma unroll
-  for (int offset = NORM_TILE_VALUES / 2; offset > 0; offset >>= 1) {
-#pragma unroll
-    for (int m = 0; m < offset; ++m) s[m] = __fadd_rn(s[m], s[m + offset]);
-  }
-  return s[0];
-}
-
 // The row's sum of squares from its NORM_TILES tile sums, as one warp adds them; every lane of the
 // calling warp returns it. tile_sums may be an earlier kernel's output: plain loads.
 __device__ __forceinline__ float row_squares_from_tiles(const float* tile_sums) {
@@ -260,16 +247,21 @@ add_rmsnorm_cluster(float* __restrict__ residual, const float* delta, const unsi
 // ---------------------------------------------------------------- decode's bits in one block
 //
 // The persistent decode kernel (decode_persistent.cu) normalizes the whole updated row in each of
-// its blocks, bit for bit as add_rmsnorm_cluster does: a thread per tile adds the tile's squares,
-// and each warp adds the tile sums, both in decode's order.
+// its blocks, bit for bit as add_rmsnorm_cluster does: each warp sums two tiles at a time, a value
+// per lane as a GEMV's block sums its tile, and each warp adds the tile sums, in decode's order.
+static_assert(NORM_TILES % 2 == 0, "a warp sums two tiles at a time");
 
 // out = norm(row) * weight, fp16 [H]. row: the updated residual, RMS_VECTORS float4 in shared
 // memory; tile_sums: NORM_TILES floats of shared memory. Every thread of the block calls it, after
 // the barrier that makes the row visible.
 __device__ __forceinline__ void normalize_row_in_block(const float4* row, const unsigned short* __restrict__ weight,
                                                        uint2* out, float* tile_sums) {
-  for (int t = threadIdx.x; t < NORM_TILES; t += blockDim.x)
-    tile_sums[t] = tile_squares_of_values(reinterpret_cast<const float*>(row) + t * NORM_TILE_VALUES);
+  const float* values = reinterpret_cast<const float*>(row);
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+  for (int pair = warp; pair < NORM_TILES / 2; pair += warps) {
+    const float sum = tile_squares_across_lanes(values[pair * WARP_SIZE + lane]);
+    if (lane % NORM_TILE_VALUES == 0) tile_sums[2 * pair + lane / NORM_TILE_VALUES] = sum;
+  }
   __syncthreads();
   const float inv_rms = inverse_rms(row_squares_from_tiles(tile_sums));
   const uint2* weight4 = reinterpret_cast<const uint2*>(weight);
