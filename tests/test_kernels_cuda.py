@@ -796,24 +796,30 @@ def test_free_device_bytes_leave_out_a_block_only_one_stream_reuses():
     assert free_device_bytes() > before - 64 * 2**20, "the merged GiB goes back to the driver"
 
 
+def decoded_across_a_page(gpu, seed: int):
+    """(logits of 7 greedy decode steps after a 13-token prompt, steps that fill its tail page and
+    cross into the next; the cache after them; the step's launch count)."""
+    rng = np.random.default_rng(seed)
+    page_table = rng.permutation(8)[:4].astype(np.int32)
+    prompt = rng.integers(0, gpu.config.vocab_size, 13)
+    token, logits = int(np.argmax(gpu.prefill(prompt, 0, page_table))), []
+    for position in range(13, 20):
+        logits.append(gpu.decode(token, position, page_table))
+        token = int(np.argmax(logits[-1]))
+    return np.array(logits), gpu.kv_pool.get(), gpu.launches_per_token
+
+
 def test_rope_in_the_qkv_gemv_changes_no_bit_of_a_decode_step(tiny_model):
     """Decode's fused q|k|v + RoPE kernel (the fp16 default) against the plain GEMV followed by
     rope_write_kv: the same logits and the same cache, bit for bit, over steps that fill a tail
     page and cross into the next, and one launch fewer per layer."""
     c = tiny_model.config
-    rng = np.random.default_rng(6)
-    page_table = rng.permutation(8)[:4].astype(np.int32)
-    prompt = rng.integers(0, c.vocab_size, 13)
     runs = {}
     for fused in (True, False):
         gpu = CudaBackend(tiny_model, 8)
         assert gpu.rope_in_qkv  # the fp16 default
         gpu.rope_in_qkv = fused
-        token, logits = int(np.argmax(gpu.prefill(prompt, 0, page_table))), []
-        for position in range(13, 20):
-            logits.append(gpu.decode(token, position, page_table))
-            token = int(np.argmax(logits[-1]))
-        runs[fused] = (np.array(logits), gpu.kv_pool.get(), gpu.launches_per_token)
+        runs[fused] = decoded_across_a_page(gpu, seed=6)
     np.testing.assert_array_equal(runs[True][0], runs[False][0])
     np.testing.assert_array_equal(runs[True][1].view(np.uint16), runs[False][1].view(np.uint16))
     assert runs[False][2] - runs[True][2] == c.num_layers
@@ -827,19 +833,12 @@ def test_norms_in_the_gemvs_change_no_bit_of_a_decode_step(tiny_model, rope_in_q
     cross into the next; 2L - 1 launches fewer (L where q|k|v has no RoPE form, whose input norm
     stays a kernel). The last down's tile sums are decode's order of the residual's squares."""
     c = tiny_model.config
-    rng = np.random.default_rng(34)
-    page_table = rng.permutation(8)[:4].astype(np.int32)
-    prompt = rng.integers(0, c.vocab_size, 13)
     runs = {}
     for inside in (True, False):
         gpu = CudaBackend(tiny_model, 8)
         assert gpu.norms_in_gemvs  # the fp16 default
         gpu.rope_in_qkv, gpu.norms_in_gemvs = rope_in_qkv, inside
-        token, logits = int(np.argmax(gpu.prefill(prompt, 0, page_table))), []
-        for position in range(13, 20):
-            logits.append(gpu.decode(token, position, page_table))
-            token = int(np.argmax(logits[-1]))
-        runs[inside] = (np.array(logits), gpu.kv_pool.get(), gpu.launches_per_token)
+        runs[inside] = decoded_across_a_page(gpu, seed=34)
         if inside:
             residual = gpu.residual.get()
             np.testing.assert_array_equal(gpu.tile_square_sums.get().view(np.uint32),
