@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..quant import TILE_ROWS
 from ..sampling import GREEDY
 from .abi import (
     ARGMAX_THREADS,
@@ -23,7 +24,6 @@ from .abi import (
     STATE_TOKEN,
 )
 from .device import NULL, mapped_host_array, persistent_blocks
-from ..quant import TILE_ROWS
 from .plan import GEMV_FORMS, GEMV_KERNELS, QKV_ROPE_KERNEL, gemv_launch
 from .sampler import sampler_settings
 from .weights import DeviceLinear
