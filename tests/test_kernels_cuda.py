@@ -828,7 +828,7 @@ def test_rope_in_the_qkv_gemv_changes_no_bit_of_a_decode_step(tiny_model):
 
 @pytest.mark.parametrize("rope_in_qkv", [True, False])
 def test_norms_in_the_gemvs_change_no_bit_of_a_decode_step(tiny_model, rope_in_qkv):
-    """Decode's norms inside the GEMVs around them (the fp16 default) against a norm kernel before
+    """Decode's norms inside the GEMVs around them against a norm kernel before
     each: the same logits and the same cache, bit for bit, over steps that fill a tail page and
     cross into the next; 2L - 1 launches fewer (L where q|k|v has no RoPE form, whose input norm
     stays a kernel). The last down's tile sums are decode's order of the residual's squares."""
@@ -836,7 +836,7 @@ def test_norms_in_the_gemvs_change_no_bit_of_a_decode_step(tiny_model, rope_in_q
     runs = {}
     for inside in (True, False):
         gpu = CudaBackend(tiny_model, 8)
-        assert gpu.norms_in_gemvs  # the fp16 default
+        assert not gpu.norms_in_gemvs  # the default: a norm kernel before each
         gpu.rope_in_qkv, gpu.norms_in_gemvs = rope_in_qkv, inside
         runs[inside] = decoded_across_a_page(gpu, seed=34)
         if inside:

@@ -8,24 +8,24 @@ the kernels in kernels/ compiled for this model by `nanoqwen.cuda.build`.
 Decode, one token, every launch on `self.stream` (L = num_layers):
 
     embed_tokens                                   state.token -> residual (fp32)
-    add_rmsnorm_cluster                            layer 0's input norm: normed = norm(residual)
     per layer:
-      gemv_int4_qkv_rope   normed (after layer 0: gemv_int4_qkv_rope_normalized, which normalizes
-                           the residual itself) -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16)
-                           into the cache at state.position                 split K in the block
+      add_rmsnorm_cluster  residual += down of the layer before; normed = norm(residual)
+      gemv_int4_qkv_rope   normed -> q (fp32, + bias, RoPE'd); K (RoPE'd), V (fp16) into the
+                           cache at state.position                          split K in the block
       attention.decode     q, cache, page table, state.seq_len -> attn (fp16)
-      gemv_int4_from_q_dim_into_residual     residual += o attn; each 16-row tile's sum of
-                           squares into tile_square_sums                    split K in the block
-      gemv_int4_gate_up_silu_normalized      norm(residual) -> silu(gate) * up (fp16)
-      gemv_int4_from_intermediate_into_residual  residual += down; tile sums   split K in the block
+      gemv_int4_from_q_dim     attn -> o (fp32)                                split K in the block
+      add_rmsnorm_cluster  residual += o; normed = norm(residual)
+      gemv_int4_gate_up_silu   normed -> silu(gate) * up (fp16)
+      gemv_int4_from_intermediate  -> down (fp32)                              split K in the block
     add_rmsnorm_cluster (final norm), lm_head_logits (+ per-block argmax of the sampler's keys),
     argmax_select_next (+ top-k and top-p, when the sampler has them)
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
-add_rmsnorm takes one block per row. With `norms_in_gemvs` off, every norm is an
-add_rmsnorm_cluster launch before the plain GEMV that reads `normed`. With INT8 activations, or
-`rope_in_qkv` off, q|k|v is the plain gemv_int4_from_hidden into a q|k|v buffer and
-rope_write_kv rotates and stores it; its input norm is then a kernel in every layer.)
+add_rmsnorm takes one block per row. With `norms_in_gemvs` the norms after layer 0's input norm,
+but the final one, run inside the GEMVs around them: o and down add into the residual and store
+its tiles' sums of squares (gemv_int4_*_into_residual), q|k|v and gate+up normalize their own
+input (gemv_int4_*_normalized). With INT8 activations, or `rope_in_qkv` off, q|k|v is the plain
+gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
 
 The class is assembled from its parts, one module each: weights (upload), step (buffers and one
 step's launches), pipeline (steps fed back to back, tokens read from host memory), prefill
@@ -172,7 +172,7 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.use_graph = use_graph
         self._graph = None  # captured at the first graph decode
         self.rope_in_qkv = activations == "fp16"
-        self.norms_in_gemvs = activations == "fp16"
+        self.norms_in_gemvs = False  # a norm kernel before each GEMV that follows a norm: the recorded form
         self.pdl = pdl
         self.persistent = persistent and self._persistent_layers is not None
         self._device_holds = None  # (token, position, page table) the device state holds for the next step
