@@ -207,7 +207,7 @@ def test_planned_ring_bytes_match_the_device(config_name):
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_the_device_holds_the_chain_gemvs_blocks_the_plan_counts(config_name):
     """plan.chain_splits picks q|k|v's and o's split from resident_blocks without a GPU: the compiled
-    kernels stay within its register bound, and at every split the driver fits at least as many
+    kernels, and their forms around a norm, stay within its register bound, and at every split the driver fits at least as many
     of their blocks per SM as the plan counts."""
     sm = sm_budget(cp.cuda.Device())
     group_size = CONFIGS[config_name].group_size
@@ -227,9 +227,10 @@ def test_the_device_holds_the_chain_gemvs_blocks_the_plan_counts(config_name):
 
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_the_device_holds_the_gate_up_blocks_the_plan_counts(config_name):
-    """plan.gate_up_splits counts gate+up's blocks per SM without a GPU: the compiled kernel stays
-    within its register bound, its static shared memory is the plan's less the rings, and at every
-    split the driver fits at least as many of its blocks per SM as the plan counts."""
+    """plan.gate_up_splits counts gate+up's blocks per SM without a GPU: the compiled kernel and its
+    normalizing form stay within their register bound, their static shared memory is the plan's
+    less the rings, and at every split the driver fits at least as many of their blocks per SM as
+    the plan counts."""
     sm, c = sm_budget(cp.cuda.Device()), CONFIGS[config_name]
     base = "gemv_int4_gate_up_silu"
     for name in (base, f"{base}_normalized"):

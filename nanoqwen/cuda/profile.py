@@ -17,6 +17,7 @@ import numpy as np
 
 from .graph import DecodeGraph, capture
 from .launch import driver_module
+from .plan import GEMV_FORMS, GEMV_KERNELS
 from .timing import gpu_ms
 
 EMPTY_KERNEL = r"""
@@ -179,8 +180,9 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     return backend, page_table
 
 
-# The kernels that end a decode layer: down, as the plain GEMV, its residual-adding form or Path A's
-DOWN_KERNELS = ("gemv_int4_from_intermediate", "gemv_int4_from_intermediate_into_residual", "gemv_int4_int8_intermediate")
+# The kernels that end a decode layer: down, as the plain GEMV, its forms (plan.GEMV_FORMS) or Path A's
+DOWN_KERNELS = (GEMV_KERNELS["down"], *(form for form, base in GEMV_FORMS.items() if base == GEMV_KERNELS["down"]),
+                "gemv_int4_int8_intermediate")
 
 
 def layer_spans(names: list[str]) -> list[tuple[int, int]]:
