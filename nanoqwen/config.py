@@ -13,6 +13,42 @@ MAX_DIMENSION = 2**32 - 1  # the .nanoqwen header stores every dimension as a u3
 HIDDEN_ACT = "silu"  # the MLP every backend runs: silu(gate) * up
 
 
+def rope_theta_of(hf: dict) -> float:
+    """RoPE's base from a config.json, which may give it in three places: top-level `rope_theta`
+    (transformers 4), and `rope_parameters` or the older `rope_scaling` objects (transformers 5, which
+    also nests them per attention type). Versions of transformers differ in which place wins, so
+    places that disagree are refused rather than one of them picked; so is any scaling but the
+    default (YaRN, linear, dynamic), which nanoqwen does not run."""
+    found: dict[str, object] = {}
+    if hf.get("rope_theta") is not None:
+        found["rope_theta"] = hf["rope_theta"]
+    for key in ("rope_parameters", "rope_scaling"):
+        parameters = hf.get(key)
+        if parameters is None:
+            continue
+        if not isinstance(parameters, dict):
+            raise ConfigError(f"{key} must be an object, got {parameters!r:.80}")
+        nested = parameters.values() if parameters and all(isinstance(v, dict) for v in parameters.values()) else None
+        for where, entry in ([(f"{key}.{name}", v) for name, v in parameters.items()] if nested else [(key, parameters)]):
+            rope_type = entry.get("rope_type", entry.get("type", "default"))
+            if rope_type not in (None, "default"):
+                raise ConfigError(f"{where} asks for {rope_type!r:.80} RoPE scaling; nanoqwen runs only the default RoPE")
+            if entry.get("rope_theta") is not None:
+                found[f"{where}.rope_theta"] = entry["rope_theta"]
+    thetas = {}
+    for where, theta in found.items():
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {theta!r:.80}")
+        try:
+            thetas[where] = float(theta)
+        except OverflowError:  # a JSON integer has no size limit, a float does
+            raise ConfigError(f"{where} is too large to be a float: an integer of {len(str(theta))} digits") from None
+    if len(set(thetas.values())) > 1:
+        places = ", ".join(f"{where}={theta:g}" for where, theta in thetas.items())
+        raise ConfigError(f"config.json gives RoPE's base more than once, with different values ({places}); keep one")
+    return next(iter(thetas.values()), 10000.0)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
@@ -117,15 +153,7 @@ class ModelConfig:
         def number(key: str, default=None) -> float:
             return as_float(key, value(key, (int, float), "a number", default))
 
-        rope_parameters = value("rope_parameters", (dict,), "an object", {}) or value("rope_scaling", (dict,), "an object", {})
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = rope_parameters.get("rope_theta", 10000.0)
-        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-            raise ConfigError(f"rope_theta must be a number, got {rope_theta!r:.80}")
-        rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ConfigError(f"rope scaling {rope_type!r:.80} is not supported")
+        rope_theta = rope_theta_of(hf)
         num_heads = integer("num_attention_heads")
         hidden = integer("hidden_size")
         if num_heads <= 0:
@@ -139,7 +167,7 @@ class ModelConfig:
             head_dim=integer("head_dim", hidden // num_heads),
             vocab_size=integer("vocab_size"),
             max_position_embeddings=integer("max_position_embeddings"),
-            rope_theta=as_float("rope_theta", rope_theta),
+            rope_theta=rope_theta,
             rms_norm_eps=number("rms_norm_eps"),
             tie_word_embeddings=value("tie_word_embeddings", (bool,), "true or false", False),
         )
