@@ -25,7 +25,7 @@ from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
 from .safetensors_reader import SafetensorsCheckpoint
-from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON, Tokenizer
+from .tokenizer import CHAT_TEMPLATE_JINJA, TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON, Tokenizer
 
 ROWS_PER_CHUNK = 4096  # quantize big matrices in slices so temporaries stay ~100 MB
 LAYER_TENSOR = re.compile(r"model\.layers\.([0-9]+)\.")  # [0-9]: \d matches the digits of every script
@@ -41,7 +41,7 @@ def resolve_source(source: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.jinja", "*.safetensors"]))
     except Exception as e:  # no huggingface_hub, no network, no such repository: all one message
         raise CheckpointError(f"{source}: cannot fetch it from the Hugging Face hub ({type(e).__name__}: {e})") from e
 
@@ -121,7 +121,8 @@ def read_tokenizer(directory: Path, vocab_size: int) -> dict[str, bytes]:
         try:
             tokenizer.compiled_template()
         except GenerationError as e:
-            raise CheckpointError(f"{directory / TOKENIZER_CONFIG_JSON}: {e}") from None
+            template_file = CHAT_TEMPLATE_JINJA if CHAT_TEMPLATE_JINJA in files else TOKENIZER_CONFIG_JSON
+            raise CheckpointError(f"{directory / template_file}: {e}") from None
     return files
 
 

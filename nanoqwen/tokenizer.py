@@ -46,10 +46,11 @@ __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer", "check_unicode"]
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON)
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"  # where transformers 5 saves the template, ahead of the config's
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON, CHAT_TEMPLATE_JINJA)
 
 # ChatML as Qwen2.5-Instruct writes it, without the default system prompt Qwen's own template
-# adds. Used only when tokenizer_config.json carries no template.
+# adds. Used only when the checkpoint carries no template.
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -132,8 +133,14 @@ def _token_name(entry) -> str | None:
     return entry
 
 
-def _chat_template(config: Mapping) -> str:
-    """The chat template's source: the config's, or the one called "default" of several."""
+def _chat_template(files: Mapping[str, bytes], config: Mapping) -> str:
+    """The chat template's source: chat_template.jinja's, which transformers reads ahead of the
+    config's; else the config's, or the one called "default" of several."""
+    if CHAT_TEMPLATE_JINJA in files:
+        try:
+            return files[CHAT_TEMPLATE_JINJA].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _FileProblem(CHAT_TEMPLATE_JINJA, f"not UTF-8 ({e})") from None
     template = config.get("chat_template") or CHATML_TEMPLATE
     if not isinstance(template, str):
         try:
@@ -219,7 +226,7 @@ class Tokenizer:
             return None
         tokenizer_json = _tokenizer_json(files)
         config = _read_config(files)
-        chat_template = _chat_template(config)
+        chat_template = _chat_template(files, config)
         backend = call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
         backend.no_padding()
         backend.no_truncation()

@@ -307,6 +307,8 @@ def test_a_layer_index_in_another_script_is_no_layer(checkpoints, tmp_path):
         ("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 320}, "merges": []}}',
          r"tokenizer.json: token id 320 lies outside the model's vocabulary 0\.\.319"),
         ("tokenizer_config.json", b'{"chat_template": "{% for %}"}', "tokenizer_config.json: the tokenizer's chat template failed"),
+        ("chat_template.jinja", b"{% for %}", "chat_template.jinja: the tokenizer's chat template failed"),
+        ("chat_template.jinja", b"\xff", "chat_template.jinja: not UTF-8"),
         ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token must be a string"),
         ("tokenizer_config.json", b'{"a":' * 100 + b"1" + b"}" * 100, "tokenizer_config.json: nested 100 levels deep"),
     ],
@@ -318,6 +320,18 @@ def test_refuses_a_tokenizer_the_engine_could_not_build(checkpoints, tmp_path, n
         convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
     assert str(directory / name) in str(error.value)
     assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
+def test_chat_template_jinja_comes_before_the_configs_template(checkpoints, tmp_path):
+    """transformers 5 saves a tokenizer's template to chat_template.jinja and reads it ahead of
+    tokenizer_config.json's; the converted file chats with that template."""
+    from nanoqwen.tokenizer import Tokenizer
+
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    (directory / "chat_template.jinja").write_text("{{ 'system: be brief\n' }}{{ messages[0]['content'] }}")
+    summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    tokenizer = Tokenizer.from_files(nanoqwen.load(summary["out"]).tokenizer_files)
+    assert tokenizer.chat_prompt([{"role": "user", "content": "hi"}]) == "system: be brief\nhi"
 
 
 def test_refuses_an_oversized_tokenizer_file_before_reading_it(checkpoints, tmp_path, monkeypatch):
