@@ -20,7 +20,7 @@ from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter ker
 
 from .config import MAX_DIMENSION, ModelConfig
 from .errors import CheckpointError, ConfigError, GenerationError
-from .format import NanoqwenWriter
+from .format import NanoqwenWriter, refuse_replacing_a_special_file
 from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
@@ -57,6 +57,7 @@ def check_out(out: Path) -> None:
         raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
+    refuse_replacing_a_special_file(out)
 
 
 def refuse_out_inside(out: Path, directory: Path) -> None:

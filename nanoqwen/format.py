@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import stat
 import threading
 import zlib
 from collections.abc import Iterator
@@ -139,19 +140,38 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)  # the status a shell reports for a process ended by the signal
 
 
+# The signals that end a process by default and that a program may catch: `kill`, and a terminal
+# that goes away (a closed window, a dropped ssh session). SIGINT raises KeyboardInterrupt already.
+TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 @contextmanager
-def _sigterm_raises_system_exit() -> Iterator[None]:
-    """In the main thread, make SIGTERM raise SystemExit(143) instead of ending the process on the
-    spot, so that the `finally` and `__exit__` blocks on the way out run (the writer's removes its
-    temporary file). A handler someone else installed is left alone."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+def _termination_raises_system_exit() -> Iterator[None]:
+    """In the main thread, make SIGTERM and SIGHUP raise SystemExit(128 + signal) instead of ending
+    the process on the spot, so that the `finally` and `__exit__` blocks on the way out run (the
+    writer's removes its temporary file). A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    ours = [s for s in TERMINATION_SIGNALS if signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.signal(s, _exit_on_signal) for s in ours}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def refuse_replacing_a_special_file(path: Path) -> None:
+    """A .nanoqwen file replaces only a regular file (or a symbolic link, which the rename replaces,
+    not its target): renaming over a device or a FIFO would destroy it, /dev/null included."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
+        raise FileExistsError(f"{path}: exists and is not a regular file (a device, FIFO or socket); "
+                              "OUT must be a new path or a file to replace")
 
 
 class NanoqwenWriter:
@@ -162,12 +182,13 @@ class NanoqwenWriter:
     a new file `<path>.<random>.partial` beside `path`, created exclusively (PARTIAL_OPEN_FLAGS);
     only `close()` after every tensor was written renames it to `path`, so an interrupted
     conversion never leaves a file that looks complete, and a reader of `path` sees the old file
-    or the new one, whole. An exception, Ctrl-C, or SIGTERM while the writer is used as a context
-    manager removes the temporary file; only SIGKILL or a power cut can leave one behind.
+    or the new one, whole. An exception, Ctrl-C, SIGTERM or SIGHUP while the writer is used as a
+    context manager removes the temporary file; only SIGKILL or a power cut can leave one behind.
     """
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig, entries):
         self.path = Path(path)
+        refuse_replacing_a_special_file(self.path)  # and again at the rename, in close()
         self.partial = self.path.with_name(f"{self.path.name}.{secrets.token_hex(6)}.partial")
         self._while_open = ExitStack()  # what __enter__ sets up and __exit__ undoes
         self.table, self.data_offset, self.file_size = plan_layout(list(entries))
@@ -220,6 +241,11 @@ class NanoqwenWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+        try:
+            refuse_replacing_a_special_file(self.path)
+        except FileExistsError:
+            self.abort()
+            raise
         os.replace(self.partial, self.path)
         return self.path
 
@@ -229,7 +255,7 @@ class NanoqwenWriter:
         self.partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "NanoqwenWriter":
-        self._while_open.enter_context(_sigterm_raises_system_exit())
+        self._while_open.enter_context(_termination_raises_system_exit())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -2,8 +2,10 @@
 and an interrupted conversion leaves nothing behind."""
 
 import json
+import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -422,7 +424,20 @@ convert(sys.argv[1], sys.argv[2], progress=False)
 """
 
 
-def test_sigterm_mid_conversion_leaves_nothing(checkpoints, tmp_path):
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_refuses_to_replace_a_fifo(checkpoints, tmp_path):
+    fifo = tmp_path / "m.nanoqwen"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match="not a regular file"):
+        convert(str(checkpoints["untied"][0]), fifo, progress=False)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_a_termination_signal_mid_conversion_leaves_nothing(checkpoints, tmp_path, signal_name):
+    if not hasattr(signal, signal_name):
+        pytest.skip(f"this platform has no {signal_name}")
+    number = getattr(signal, signal_name)
     out = tmp_path / "out"
     out.mkdir()
     child = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, str(checkpoints["untied"][0]), str(out / "m.nanoqwen")],
@@ -430,8 +445,8 @@ def test_sigterm_mid_conversion_leaves_nothing(checkpoints, tmp_path):
     try:
         assert child.stdout.readline() == "writing\n"
         assert [p.name.endswith(".partial") for p in out.iterdir()] == [True]
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=60) == 128 + signal.SIGTERM
+        child.send_signal(number)
+        assert child.wait(timeout=60) == 128 + number
     finally:
         child.kill()
         child.wait()
