@@ -33,6 +33,9 @@ HEADER_BYTES = 256
 RECORD_BYTES = 128
 MAX_NAME_BYTES = 64
 MAX_NDIM = 4
+# The 7B's file holds 481 tensors and 80 layers 1,363: the cap bounds the table a reader copies
+# (8 MiB) before anything else in the file is trusted, whatever size a sparse file declares.
+MAX_TENSORS = 65_536
 # A new file is created, never an existing one reused, and never through a symbolic link: two
 # writers of one path, or a link planted where the temporary file goes, cannot mix bytes.
 PARTIAL_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -113,6 +116,8 @@ def header_checksum(header: np.ndarray, table: np.ndarray) -> int:
 
 def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[np.ndarray, int, int]:
     """Place tensors: (name, dtype name, shape) -> (table records, data_offset, file_size)."""
+    if len(entries) > MAX_TENSORS:
+        raise ValueError(f"{len(entries)} tensors are more than the {MAX_TENSORS} a .nanoqwen file may hold")
     table = np.zeros(len(entries), dtype=RECORD_DTYPE)
     data_offset = align_up(HEADER_BYTES + RECORD_BYTES * len(entries))
     offset = data_offset

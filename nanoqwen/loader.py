@@ -33,6 +33,7 @@ from .format import (
     HEADER_DTYPE,
     MAGIC,
     MAX_NDIM,
+    MAX_TENSORS,
     RECORD_BYTES,
     RECORD_DTYPE,
     VERSION,
@@ -206,6 +207,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
     if int(header["file_size"]) != size:
         raise fail(f"header says the file is {int(header['file_size'])} bytes but it is {size} (truncated or extended)")
     count = int(header["tensor_count"])
+    if count > MAX_TENSORS:
+        raise fail(f"tensor_count {count:,} is more than the {MAX_TENSORS:,} tensors a .nanoqwen file may hold")
     table_offset = int(header["table_offset"])
     table_end = table_offset + count * RECORD_BYTES
     data_offset = int(header["data_offset"])

@@ -24,7 +24,7 @@ from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter ker
 from .config import ModelConfig
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
-from .tokenizer import TOKENIZER_FILES
+from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON
 
 QWEN25_CODER_7B = ModelConfig(
     num_layers=28,
@@ -118,15 +118,19 @@ def write_random_model(
     """Write a valid .nanoqwen file of `config`'s shapes with random weights; returns its path.
 
     `tokenizer_dir`, when given, must hold tokenizer.json and tokenizer_config.json, which are
-    stored as the file's tokenizer blobs (as the converter does).
+    stored as the file's tokenizer blobs (as the converter does), with chat_template.jinja where
+    it has one.
     """
     entries = [(name, dtype, shape) for name, (dtype, shape) in config.tensor_specs().items()]
     blobs = {}
     if tokenizer_dir is not None:
+        required = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON)
         for file_name in TOKENIZER_FILES:
             source = Path(tokenizer_dir) / file_name
             if not source.exists():
-                raise FileNotFoundError(f"{source}: tokenizer_dir must hold {' and '.join(TOKENIZER_FILES)}")
+                if file_name in required:
+                    raise FileNotFoundError(f"{source}: tokenizer_dir must hold {' and '.join(required)}")
+                continue
             blobs[TOKENIZER_PREFIX + file_name] = np.frombuffer(source.read_bytes(), np.uint8)
     entries += [(name, "u8", blob.shape) for name, blob in blobs.items()]
 

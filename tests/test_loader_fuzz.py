@@ -174,6 +174,26 @@ def test_wrong_version(original, version):
     assert_rejected(path, with_checksum(raw, header, table), match=f"format version {version} is not supported")
 
 
+def test_a_sparse_file_cannot_declare_a_table_of_billions_of_tensors(original, tmp_path):
+    """The table is copied before anything else is trusted: its size is capped, not left to
+    file_size, which a sparse file can make as large as the count asks for."""
+    raw, _ = original
+    header, _ = parse(raw)
+    header["tensor_count"] = 2**32 - 1
+    header["data_offset"] = header["file_size"] = HEADER_BYTES + RECORD_BYTES * (2**32 - 1) + ALIGNMENT
+    path = tmp_path / "sparse.nanoqwen"
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + raw[HEADER_BYTES:4096])
+        f.truncate(int(header["file_size"]))  # 512 GiB that occupy a few kilobytes of disk
+    tracemalloc.start()
+    try:
+        with pytest.raises(NanoqwenFormatError, match="tensor_count 4,294,967,295 is more than the 65,536"):
+            nanoqwen.load(path)
+        assert tracemalloc.get_traced_memory()[1] < 2_000_000
+    finally:
+        tracemalloc.stop()
+
+
 def test_not_a_nanoqwen_file_at_all(original, tmp_path):
     _, path = original
     assert_rejected(path, b"", match="shorter than the 256-byte header")
