@@ -372,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         print(f"nanoqwen {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except MemoryError as e:  # NumPy's and CuPy's out-of-memory errors both derive from it
+        print(f"nanoqwen {args.command}: error: out of memory ({e or 'an allocation failed'}): the model, or "
+              "the context asked for, needs more memory than this machine has", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -107,6 +107,20 @@ def test_errors_are_one_line_with_status_1(capsys, model_path, tmp_path, argv, m
     assert message in stderr and "Traceback" not in stderr and stderr.count("\n") == 1
 
 
+def test_running_out_of_memory_is_a_one_line_error(capsys, monkeypatch, model_path):
+    """A valid file whose shapes (or a context) need more memory than the machine has: NumPy's
+    MemoryError (CuPy's OutOfMemoryError derives from it) is named, not a traceback."""
+    import numpy as np
+
+    def allocate(self, *args, **kwargs):
+        np.zeros(2**62, dtype=np.uint8)
+
+    monkeypatch.setattr(Engine, "__init__", allocate)
+    status, _, stderr = run(capsys, "generate", model_path, "x", "--backend", "numpy")
+    assert status == 1 and "Traceback" not in stderr and stderr.count("\n") == 1, stderr
+    assert stderr.startswith("nanoqwen generate: error: out of memory (Unable to allocate 4.00 EiB"), stderr
+
+
 def test_corrupt_file_is_a_one_line_error(capsys, model_path, tmp_path):
     corrupt = tmp_path / "corrupt.nanoqwen"
     data = bytearray(model_path.read_bytes())
