@@ -124,8 +124,9 @@ def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[np.nda
     seen = set()
     for record, (name, dtype_name, shape) in zip(table, entries):
         encoded = name.encode("ascii")
-        if not encoded or len(encoded) > MAX_NAME_BYTES or name in seen:
-            raise ValueError(f"tensor name {name!r} is empty, duplicated or longer than {MAX_NAME_BYTES} bytes")
+        if not encoded or len(encoded) > MAX_NAME_BYTES or name in seen or not name.isprintable():
+            raise ValueError(f"tensor name {name!r} is empty, duplicated, longer than {MAX_NAME_BYTES} bytes "
+                             "or holds control characters")
         if not 1 <= len(shape) <= MAX_NDIM or min(shape) <= 0:
             raise ValueError(f"tensor {name!r} has unsupported shape {shape}")
         seen.add(name)

@@ -241,6 +241,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
             name = raw_name.decode("ascii")
         except UnicodeDecodeError:
             raise fail(f"tensor record {i} has a non-ASCII name {raw_name!r}") from None
+        if not name.isprintable():  # a name is printed (inspect): no terminal control sequences
+            raise fail(f"tensor record {i} has a name with control characters {name!r}")
         if not name or name in tensors:
             raise fail(f"tensor record {i}: empty or duplicate name {name!r}")
         code, ndim = int(record["dtype"]), int(record["ndim"])

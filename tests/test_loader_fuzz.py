@@ -392,6 +392,16 @@ def test_names_that_lie(original, data):
     assert any(word in message for word in ("name", "missing tensor", "unexpected tensor"))
 
 
+@pytest.mark.parametrize("name", [b"tokenizer/\x1b[2J\x1b[31mOK", b"tokenizer/a\nchecksums fine", b"tokenizer/a\x00b"])
+def test_a_name_with_control_characters_is_refused(original, name):
+    """inspect prints names: a file must not be able to write escape sequences to a terminal."""
+    raw, path = original
+    header, table = parse(raw)
+    i = [bytes(r["name"]).startswith(b"tokenizer/") for r in table].index(True)
+    table[i]["name"] = name
+    assert_rejected(path, with_checksum(raw, header, table), match="a name with control characters")
+
+
 def test_tokenizer_blob_must_be_u8_and_one_dimensional(original):
     raw, path = original
     header, table = parse(raw)
