@@ -127,6 +127,18 @@ def read_tokenizer(directory: Path, vocab_size: int) -> dict[str, bytes]:
     return files
 
 
+def refuse_an_lm_head_tying_would_drop(config: ModelConfig, checkpoint: SafetensorsCheckpoint) -> None:
+    """A checkpoint that says its lm_head is the embedding (tie_word_embeddings) but stores an
+    lm_head.weight of other values: transformers 4 ties them, transformers 5 keeps the stored one.
+    Either choice would be silently wrong for someone, so the converter asks."""
+    head, embedding = "lm_head.weight", "model.embed_tokens.weight"
+    if config.tie_word_embeddings and head in checkpoint and not checkpoint.same_values(head, embedding):
+        raise CheckpointError(
+            f"config.json sets tie_word_embeddings, but the checkpoint's {head} differs from {embedding}: "
+            f"set tie_word_embeddings to false to convert the stored {head}, or remove it to tie them"
+        )
+
+
 def source_tensors(specs: dict, checkpoint: SafetensorsCheckpoint) -> list[tuple[str, str, tuple[int, ...]]]:
     """(.nanoqwen name, checkpoint name, checkpoint shape) of every tensor to read, each checked
     for presence and shape before a byte is written."""
@@ -161,6 +173,7 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     check_layers(config, checkpoint)
     specs = config.tensor_specs()
     sources = source_tensors(specs, checkpoint)
+    refuse_an_lm_head_tying_would_drop(config, checkpoint)
     tokenizer_blobs = {TOKENIZER_PREFIX + name: np.frombuffer(data, np.uint8)
                        for name, data in read_tokenizer(directory, config.vocab_size).items()}
     entries = [(name, dtype, shape) for name, (dtype, shape) in specs.items()]

@@ -50,6 +50,24 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {name!r}")
         return self.entries[name]
 
+    def same_values(self, first: str, second: str, chunk_bytes: int = 64 << 20) -> bool:
+        """Whether two tensors hold the same values; of one dtype and shape they are compared as
+        stored, a chunk at a time, so that neither is read whole."""
+        (path_a, dtype_a, shape_a, offset_a, nbytes_a), (path_b, dtype_b, shape_b, offset_b, nbytes_b) = (
+            self._entry(first), self._entry(second))
+        if shape_a != shape_b:
+            return False
+        if dtype_a != dtype_b or nbytes_a != nbytes_b:
+            return bool(np.array_equal(self.read(first), self.read(second)))
+        with open(path_a, "rb") as a, open(path_b, "rb") as b:
+            a.seek(offset_a)
+            b.seek(offset_b)
+            for start in range(0, nbytes_a, chunk_bytes):
+                size = min(chunk_bytes, nbytes_a - start)
+                if a.read(size) != b.read(size):
+                    return False
+        return True
+
     def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
         """One tensor as float32, checked against `expected_shape` when given."""
         path, dtype, shape, offset, nbytes = self._entry(name)

@@ -160,6 +160,18 @@ def test_refuses_unsupported_configs(checkpoints, tmp_path, changes, match):
     assert not list(tmp_path.glob("m.nanoqwen*"))
 
 
+def test_a_tied_checkpoint_with_its_own_lm_head_converts_only_if_they_agree(checkpoints, tmp_path):
+    """transformers versions disagree on which matrix such a checkpoint's lm_head is."""
+    directory = copy_checkpoint(checkpoints, tmp_path, "tied")
+    embedding = safetensors_numpy.load_file(directory / "model.safetensors")["model.embed_tokens.weight"]
+    edit_tensors(directory, lambda t: t.__setitem__("lm_head.weight", embedding.copy()))
+    convert(str(directory), tmp_path / "same.nanoqwen", progress=False)
+    edit_tensors(directory, lambda t: t.__setitem__("lm_head.weight", embedding[::-1].copy()))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
 def test_refuses_missing_config_and_missing_weights(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path)
     (directory / "model.safetensors").unlink()
