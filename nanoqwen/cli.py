@@ -234,7 +234,7 @@ def _read_stdin() -> str:
 
 def _names_a_model(argument: str) -> bool:
     """True when a lone positional looks like a MODEL, not a PROMPT (`generate m.nanoqwen`)."""
-    if argument.endswith(".nanoqwen"):
+    if argument.endswith(".nanoqwen") and not any(c.isspace() for c in argument):  # not "fix model.nanoqwen"
         return True
     try:
         return Path(argument).is_file()
@@ -363,7 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, unparsed = parser.parse_known_args(argv)
+    if unparsed and args.command is not None:
+        # argparse takes positionals from their first run only, so `generate MODEL --top-k 5 PROMPT`
+        # leaves PROMPT over; the subcommand's intermixed parse takes them wherever they stand
+        # (and names any argument that is really unknown).
+        rest = argv[argv.index(args.command) + 1:]
+        args = args.parser.parse_intermixed_args(rest, argparse.Namespace(command=args.command))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -58,6 +58,25 @@ def test_generate_streams_the_engine_text(capsys, model_path):
     assert "tokens/s on numpy" in stderr
 
 
+def test_options_may_stand_between_model_and_prompt(capsys, model_path):
+    expected = run(capsys, "generate", model_path, "def add(a, b):", "--max-new-tokens", 5, "--backend", "numpy")
+    mixed = run(capsys, "generate", "--backend", "numpy", model_path, "--max-new-tokens", 5, "def add(a, b):")
+    assert mixed[0] == 0 and mixed[1] == expected[1]
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, "generate", model_path, "--max-new-tokens", 5, "x", "--bogus", 3)
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus 3" in capsys.readouterr().err
+
+
+def test_a_prompt_that_mentions_a_model_file_is_a_prompt(capsys, monkeypatch, model_path):
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", model_path)
+    status, stdout, _ = run(capsys, "generate", "Fix the loader of model.nanoqwen", "--max-new-tokens", 3,
+                            "--backend", "numpy")
+    assert status == 0 and stdout
+    with pytest.raises(SystemExit):  # a lone file name is still taken for a MODEL missing its PROMPT
+        run(capsys, "generate", "model.nanoqwen")
+    assert "missing PROMPT" in capsys.readouterr().err
+
+
 def test_generate_sampling_chat_and_fim_flags(capsys, model_path):
     common = ["--max-new-tokens", 6, "--backend", "numpy"]
     a = run(capsys, "generate", model_path, "hi", "--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, *common)
