@@ -301,6 +301,8 @@ def run_chat(args: argparse.Namespace) -> int:
     engine = _engine(args)
     if engine.tokenizer is None:
         raise GenerationError(f"{engine.model.path} carries no tokenizer, so it cannot chat")
+    engine.check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                          args.speculate)  # once, not at every turn
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     print(f"chatting with {engine.model.path.name} on {engine.backend.name}; /exit to leave, /reset to forget")

@@ -20,7 +20,7 @@ from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter ker
 
 from .config import MAX_DIMENSION, ModelConfig
 from .errors import CheckpointError, ConfigError, GenerationError
-from .format import NanoqwenWriter, refuse_replacing_a_special_file
+from .format import NanoqwenWriter, check_out
 from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
@@ -49,15 +49,6 @@ def resolve_source(source: str) -> Path:
 def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
     parts = [quantize_int4(weight[r : r + ROWS_PER_CHUNK], group_size) for r in range(0, weight.shape[0], ROWS_PER_CHUNK)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-def check_out(out: Path) -> None:
-    """Fail on a bad OUT before minutes of quantization, not at the final rename."""
-    if out.is_dir():
-        raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
-    refuse_replacing_a_special_file(out)
 
 
 def refuse_out_inside(out: Path, directory: Path) -> None:
@@ -165,7 +156,7 @@ def source_tensors(specs: dict, checkpoint: SafetensorsCheckpoint) -> list[tuple
 def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
     out = Path(out)
-    check_out(out)
+    check_out(out)  # before minutes of quantization, not at the final rename
     directory = resolve_source(source)
     refuse_out_inside(out, directory)
     config = read_config(directory)

@@ -245,9 +245,10 @@ class Engine:
             raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
         return [int(i) for i in array]
 
-    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
-                 speculate, allow_special_tokens) -> _Request:
-        self._check_open()
+    def check_settings(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int | None = None, speculate: int = 0) -> SamplingParams:
+        """Raise GenerationError for settings no request could run with, as `generate` would; a
+        chat checks them once, before its first turn. Returns the sampling parameters."""
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -259,6 +260,12 @@ class Engine:
                                   f"{self.backend.name} backend has none: use backend 'numpy' or speculate=0")
         if speculate and getattr(self.backend, "verify_refusal", None):
             raise GenerationError(f"speculate={speculate}: {self.backend.verify_refusal}; use speculate=0")
+        return sampling
+
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, chat, fim_suffix,
+                 speculate, allow_special_tokens) -> _Request:
+        self._check_open()
+        sampling = self.check_settings(max_new_tokens, temperature, top_k, top_p, seed, speculate)
         if stop_token_ids is None:
             stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
         else:

@@ -168,6 +168,16 @@ def _termination_raises_system_exit() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def check_out(out: Path) -> None:
+    """A path a .nanoqwen file may be written to: in a folder that exists, not a folder itself,
+    nor a device, FIFO or socket (refuse_replacing_a_special_file)."""
+    if out.is_dir():
+        raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
+    refuse_replacing_a_special_file(out)
+
+
 def refuse_replacing_a_special_file(path: Path) -> None:
     """A .nanoqwen file replaces only a regular file (or a symbolic link, which the rename replaces,
     not its target): renaming over a device or a FIFO would destroy it, /dev/null included."""
@@ -194,7 +204,7 @@ class NanoqwenWriter:
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig, entries):
         self.path = Path(path)
-        refuse_replacing_a_special_file(self.path)  # and again at the rename, in close()
+        check_out(self.path)  # and again for a special file at the rename, in close()
         self.partial = self.path.with_name(f"{self.path.name}.{secrets.token_hex(6)}.partial")
         self._while_open = ExitStack()  # what __enter__ sets up and __exit__ undoes
         self.table, self.data_offset, self.file_size = plan_layout(list(entries))

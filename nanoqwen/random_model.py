@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter kernel without ipywidgets
 
 from .config import ModelConfig
+from .errors import ConfigError
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
 from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON
@@ -151,7 +152,8 @@ def write_random_model(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Write a .nanoqwen file with random weights.")
+    parser = argparse.ArgumentParser(prog="python -m nanoqwen.random_model",
+                                     description="Write a .nanoqwen file with random weights.")
     parser.add_argument("out", help="path of the .nanoqwen file to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-coder-7b")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
@@ -159,10 +161,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-dir", help="directory with tokenizer.json and tokenizer_config.json")
     args = parser.parse_args(argv)
-    config = PRESETS[args.preset]
-    if args.layers is not None:
-        config = dataclasses.replace(config, num_layers=args.layers)
-    out = write_random_model(args.out, config, args.seed, args.tokenizer_dir, progress=True)
+    if args.seed < 0:
+        parser.error(f"--seed must be a non-negative integer, got {args.seed}")
+    try:
+        config = PRESETS[args.preset]
+        if args.layers is not None:
+            config = dataclasses.replace(config, num_layers=args.layers)
+        out = write_random_model(args.out, config, args.seed, args.tokenizer_dir, progress=True)
+    except (ConfigError, OSError) as e:  # a bad --layers, a missing folder, a full disk
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     print(f"{out}: {out.stat().st_size:,} bytes")
 
 

@@ -187,6 +187,14 @@ def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path)
     assert [m["content"] for m in seen[-1]] == ["still here?"]  # the failed turn left no trace
 
 
+@pytest.mark.parametrize("option, value, message", [("--temperature", -1, "temperature must be"),
+                                                    ("--max-new-tokens", 0, "max_new_tokens must be")])
+def test_chat_refuses_bad_settings_before_the_first_turn(capsys, monkeypatch, model_path, option, value, message):
+    monkeypatch.setattr("builtins.input", lambda prompt="": pytest.fail("asked for a turn it could never answer"))
+    status, stdout, stderr = run(capsys, "chat", model_path, option, value, "--backend", "numpy")
+    assert status == 1 and message in stderr and stderr.count("\n") == 1 and not stdout
+
+
 def test_chat_ends_on_eof(capsys, monkeypatch, model_path):
     def eof(prompt=""):
         raise EOFError

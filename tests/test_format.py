@@ -224,6 +224,22 @@ def test_random_model_cli(tmp_path, monkeypatch, capsys):
     assert nanoqwen.load(tmp_path / "cli.nanoqwen").config == TINY
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["{out}", "--preset", "tiny", "--layers", "0"], "num_layers must be a positive integer"),
+    (["{out}", "--preset", "tiny", "--seed", "-1"], "--seed must be a non-negative integer"),
+    (["{missing}/m.nanoqwen", "--preset", "tiny"], "does not exist"),
+])
+def test_random_model_cli_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    import nanoqwen.random_model as random_model
+
+    monkeypatch.setitem(random_model.PRESETS, "tiny", TINY)
+    with pytest.raises(SystemExit) as exit_info:
+        random_model.main([a.format(out=tmp_path / "m.nanoqwen", missing=tmp_path / "missing") for a in argv])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code in (1, 2) and message in stderr and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_7b_preset_byte_budget():
     """The 7B's tensors, in bytes, from its ModelConfig alone (no file)."""
     c = QWEN25_CODER_7B
