@@ -49,6 +49,22 @@ def rope_theta_of(hf: dict) -> float:
     return next(iter(thetas.values()), 10000.0)
 
 
+def sliding_window_layers(hf: dict) -> list[int]:
+    """The layers a config.json gives a sliding window, as transformers' Qwen2 reads it: none unless
+    use_sliding_window and a sliding_window are set; then those `layer_types` calls
+    'sliding_attention', by default the layers from max_window_layers (28) on."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return []
+    layer_types = hf.get("layer_types")
+    if isinstance(layer_types, list):
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    first, layers = hf.get("max_window_layers", 28), hf.get("num_hidden_layers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, layers)):
+        raise ConfigError(f"use_sliding_window is set with max_window_layers={first!r:.40} and "
+                          f"num_hidden_layers={layers!r:.40}; both must be integers")
+    return list(range(first, layers))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
@@ -118,17 +134,18 @@ class ModelConfig:
         """
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json must hold a JSON object, got a {type(hf).__name__}")
-        architectures = hf.get("architectures") or []
+        architectures = hf.get("architectures", ["Qwen2ForCausalLM"])  # absent: the model type decides
         if hf.get("model_type") != "qwen2" or not isinstance(architectures, list) or "Qwen2ForCausalLM" not in architectures:
             raise ConfigError(
                 "not a Qwen2 causal LM: model_type="
                 f"{hf.get('model_type')!r:.80}, architectures={architectures!r:.80} "
                 "(expected model_type 'qwen2' and architecture 'Qwen2ForCausalLM')"
             )
-        if hf.get("use_sliding_window"):
-            raise ConfigError("sliding-window attention is not supported")
+        if sliding_window_layers(hf):
+            raise ConfigError(f"sliding-window attention is not supported (use_sliding_window, and layers "
+                              f"{sliding_window_layers(hf)[:8]} of type 'sliding_attention')")
         hidden_act = hf.get("hidden_act", HIDDEN_ACT)
-        if hidden_act != HIDDEN_ACT:
+        if hidden_act not in (HIDDEN_ACT, "swish"):  # transformers' two names of x * sigmoid(x)
             raise ConfigError(f"hidden_act is {hidden_act!r:.80}; nanoqwen runs only {HIDDEN_ACT!r} MLPs (silu(gate) * up)")
 
         def value(key: str, kinds: tuple[type, ...], what: str, default=None):
@@ -166,9 +183,9 @@ class ModelConfig:
             num_kv_heads=integer("num_key_value_heads", num_heads),
             head_dim=integer("head_dim", hidden // num_heads),
             vocab_size=integer("vocab_size"),
-            max_position_embeddings=integer("max_position_embeddings"),
+            max_position_embeddings=integer("max_position_embeddings", 32768),  # transformers' defaults
             rope_theta=rope_theta,
-            rms_norm_eps=number("rms_norm_eps"),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
             tie_word_embeddings=value("tie_word_embeddings", (bool,), "true or false", False),
         )
 

@@ -143,7 +143,11 @@ def edit_tensors(directory, edit):
     [
         ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a Qwen2 causal LM"),
         ({"architectures": ["Qwen2ForSequenceClassification"]}, "not a Qwen2 causal LM"),
-        ({"use_sliding_window": True}, "sliding-window"),
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},
+         r"sliding-window.*layers \[1\]"),
+        ({"use_sliding_window": True, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+         r"layers \[0\] of type 'sliding_attention'"),
+        ({"architectures": None}, "not a Qwen2 causal LM"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' RoPE scaling"),
         ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "'yarn' RoPE scaling"),
         ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}}, "full_attention asks for 'linear'"),
@@ -170,6 +174,28 @@ def test_a_tied_checkpoint_with_its_own_lm_head_converts_only_if_they_agree(chec
     with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
         convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
     assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
+@pytest.mark.parametrize("changes", [
+    {"hidden_act": "swish"},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": "absent"},  # none from 2 on
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},  # layer_types: both full
+    {"use_sliding_window": False, "layer_types": ["sliding_attention", "sliding_attention"]},
+    {"rms_norm_eps": None, "max_position_embeddings": None, "architectures": "absent"},
+])
+def test_accepts_what_transformers_runs_as_plain_qwen2(checkpoints, tmp_path, changes):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None or value == "absent":
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    loaded = nanoqwen.load(convert(str(directory), tmp_path / "m.nanoqwen", progress=False)["out"]).config
+    want = transformers.Qwen2Config.from_pretrained(directory)
+    assert (loaded.rms_norm_eps, loaded.max_position_embeddings) == (want.rms_norm_eps, want.max_position_embeddings)
+    assert {want.layer_types[i] for i in range(want.num_hidden_layers) if want.sliding_window is not None} <= {"full_attention"}
 
 
 def test_refuses_missing_config_and_missing_weights(checkpoints, tmp_path):
