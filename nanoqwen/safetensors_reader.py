@@ -37,7 +37,11 @@ class SafetensorsCheckpoint:
             path = self.directory / file_name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard named in the index is missing")
-            self.entries.update(_read_header(path))
+            header = _read_header(path)
+            twice = sorted(header.keys() & self.entries.keys())  # which copy a loader takes is its own choice
+            if twice:
+                raise CheckpointError(f"tensor {twice[0]!r} is stored twice, in {self.entries[twice[0]][0]} and {path}")
+            self.entries.update(header)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries

@@ -208,6 +208,14 @@ def test_refuses_missing_config_and_missing_weights(checkpoints, tmp_path):
         convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
 
 
+def test_refuses_a_tensor_stored_in_two_files(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    norm = safetensors_numpy.load_file(directory / "model.safetensors")["model.norm.weight"]
+    safetensors_numpy.save_file({"model.norm.weight": norm + 1}, directory / "patch.safetensors")
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is stored twice"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+
+
 def test_refuses_missing_shard(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path, "sharded")
     shard = sorted(directory.glob("*.safetensors"))[-1]
