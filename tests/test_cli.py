@@ -214,6 +214,17 @@ def test_python_dash_m(model_path):
     assert usage.returncode == 2
 
 
+def test_a_reader_that_leaves_early_ends_generate_quietly(model_path):
+    """`nanoqwen generate ... | head -c 1`: a closed pipe is no error to report."""
+    child = subprocess.Popen([sys.executable, "-m", "nanoqwen", "generate", str(model_path), "1 2", "--token-ids",
+                              "--max-new-tokens", "60", "--backend", "numpy"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.read(1)
+    child.stdout.close()
+    stderr = child.stderr.read()
+    assert child.wait(timeout=120) == 141 and stderr == "", stderr
+
+
 @pytest.mark.skipif(cuda_available(), reason="checks the message on a machine without a CUDA GPU")
 def test_bench_without_a_gpu_is_a_one_line_error(capsys, model_path):
     status, _, stderr = run(capsys, "bench", model_path)
