@@ -48,7 +48,10 @@ def check_json_size(nbytes: int) -> None:
 
 
 def read_json_file(path: Path) -> bytes:
-    """The bytes of `path`, refused with JSONLimitError before reading when it is too large."""
+    """The bytes of `path`, refused with JSONLimitError before reading when it is too large, or
+    no regular file (reading a FIFO would wait for a writer for ever)."""
+    if not path.is_file():
+        raise JSONLimitError("is not a regular file (a FIFO, device or socket)")
     check_json_size(path.stat().st_size)
     return path.read_bytes()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -173,8 +174,14 @@ def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Non-blocking, so that a FIFO is refused below instead of waiting for a writer for ever.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            os.close(descriptor)
+            raise NanoqwenFormatError(f"{path}: is not a regular file (a folder, FIFO, device or socket)")
+        with open(descriptor, "rb") as f:
+            size = status.st_size
             if size < HEADER_BYTES:
                 raise NanoqwenFormatError(
                     f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte header"

@@ -37,6 +37,8 @@ class SafetensorsCheckpoint:
             path = self.directory / file_name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard named in the index is missing")
+            if not path.is_file():  # a FIFO would wait for a writer for ever
+                raise CheckpointError(f"{path}: is not a regular file (a FIFO, device or socket)")
             header = _read_header(path)
             twice = sorted(header.keys() & self.entries.keys())  # which copy a loader takes is its own choice
             if twice:

@@ -216,6 +216,16 @@ def test_refuses_a_tensor_stored_in_two_files(checkpoints, tmp_path):
         convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "model.safetensors"])
+def test_refuses_a_fifo_in_the_checkpoint_without_waiting(checkpoints, tmp_path, name):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    with pytest.raises(CheckpointError, match=f"{name}: is not a regular file"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+
+
 def test_refuses_missing_shard(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path, "sharded")
     shard = sorted(directory.glob("*.safetensors"))[-1]

@@ -10,6 +10,7 @@ Two kinds of corruption:
 
 import gc
 import math
+import os
 import time
 import tracemalloc
 from pathlib import Path
@@ -192,6 +193,15 @@ def test_a_sparse_file_cannot_declare_a_table_of_billions_of_tensors(original, t
         assert tracemalloc.get_traced_memory()[1] < 2_000_000
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_a_fifo_or_a_folder_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "m.nanoqwen"
+    os.mkfifo(fifo)  # opening it plainly would wait for a writer for ever
+    for path in (fifo, tmp_path):
+        with pytest.raises(NanoqwenFormatError, match="is not a regular file"):
+            nanoqwen.load(path)
 
 
 def test_not_a_nanoqwen_file_at_all(original, tmp_path):
