@@ -28,11 +28,13 @@ def rope_theta_of(hf: dict) -> float:
             continue
         if not isinstance(parameters, dict):
             raise ConfigError(f"{key} must be an object, got {parameters!r:.80}")
-        nested = parameters.values() if parameters and all(isinstance(v, dict) for v in parameters.values()) else None
-        for where, entry in ([(f"{key}.{name}", v) for name, v in parameters.items()] if nested else [(key, parameters)]):
+        per_attention_type = bool(parameters) and all(isinstance(v, dict) for v in parameters.values())
+        entries = [(f"{key}.{name}", v) for name, v in parameters.items()] if per_attention_type else [(key, parameters)]
+        for where, entry in entries:
             rope_type = entry.get("rope_type", entry.get("type", "default"))
             if rope_type not in (None, "default"):
-                raise ConfigError(f"{where} asks for {rope_type!r:.80} RoPE scaling; nanoqwen runs only the default RoPE")
+                raise ConfigError(f"{where} asks for {rope_type!r:.80} RoPE scaling; "
+                                  "nanoqwen runs only the default RoPE")
             if entry.get("rope_theta") is not None:
                 found[f"{where}.rope_theta"] = entry["rope_theta"]
     thetas = {}
@@ -141,9 +143,10 @@ class ModelConfig:
                 f"{hf.get('model_type')!r:.80}, architectures={architectures!r:.80} "
                 "(expected model_type 'qwen2' and architecture 'Qwen2ForCausalLM')"
             )
-        if sliding_window_layers(hf):
+        sliding = sliding_window_layers(hf)
+        if sliding:
             raise ConfigError(f"sliding-window attention is not supported (use_sliding_window, and layers "
-                              f"{sliding_window_layers(hf)[:8]} of type 'sliding_attention')")
+                              f"{sliding[:8]} of type 'sliding_attention')")
         hidden_act = hf.get("hidden_act", HIDDEN_ACT)
         if hidden_act not in (HIDDEN_ACT, "swish"):  # transformers' two names of x * sigmoid(x)
             raise ConfigError(f"hidden_act is {hidden_act!r:.80}; nanoqwen runs only {HIDDEN_ACT!r} MLPs (silu(gate) * up)")

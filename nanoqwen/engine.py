@@ -245,8 +245,8 @@ class Engine:
             raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
         return [int(i) for i in array]
 
-    def check_settings(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None, speculate: int = 0) -> SamplingParams:
+    def check_settings(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int | None = None, speculate: int = 0) -> SamplingParams:
         """Raise GenerationError for settings no request could run with, as `generate` would; a
         chat checks them once, before its first turn. Returns the sampling parameters."""
         sampling = SamplingParams(temperature, top_k, top_p, seed)
