@@ -126,12 +126,14 @@ class Stream:
     def __init__(self, pieces: Iterator[TokenPiece], request: _Request):
         self._pieces = pieces
         self._request = request
+        self._lock = threading.Lock()  # threads that share one stream take its pieces in turn
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> TokenPiece:
-        return next(self._pieces)
+        with self._lock:
+            return next(self._pieces)
 
     @property
     def result(self) -> GenerationResult | None:
@@ -139,7 +141,8 @@ class Stream:
 
     def close(self) -> None:
         """Stop early and give the pages back."""
-        self._pieces.close()
+        with self._lock:
+            self._pieces.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -237,8 +240,13 @@ class Engine:
         return ids
 
     def _check_token_ids(self, ids, what: str, accepted: str) -> list[int]:
-        array = np.asarray(ids)
-        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        if isinstance(ids, (bytes, bytearray, memoryview)):  # whose elements would pass for token ids
+            raise GenerationError(f"{what} must be {accepted}, not bytes (decode text first), got {bytes(ids)!r:.80}")
+        try:
+            array = np.asarray(ids)
+        except (ValueError, TypeError):  # ragged nesting, objects NumPy cannot hold
+            array = None
+        if array is None or array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
             raise GenerationError(f"{what} must be {accepted}, got {ids!r:.80}")
         bad = array[(array < 0) | (array >= self.config.vocab_size)]
         if bad.size:
@@ -249,6 +257,7 @@ class Engine:
                        top_p: float = 1.0, seed: int | None = None, speculate: int = 0) -> SamplingParams:
         """Raise GenerationError for settings no request could run with, as `generate` would; a
         chat checks them once, before its first turn. Returns the sampling parameters."""
+        self._check_open()
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -269,12 +278,18 @@ class Engine:
         if stop_token_ids is None:
             stop_ids = self.tokenizer.stop_token_ids if self.tokenizer else ()
         else:
-            if isinstance(stop_token_ids, (str, bytes)):
+            accepted = "a token id or a flat sequence of integer token ids"
+            if isinstance(stop_token_ids, str):
                 raise GenerationError(f"stop_token_ids takes token ids, not text, got {stop_token_ids!r:.80}")
-            if isinstance(stop_token_ids, (int, np.integer)):
+            if isinstance(stop_token_ids, (int, np.integer)) or (isinstance(stop_token_ids, np.ndarray)
+                                                                  and stop_token_ids.ndim == 0):
                 stop_token_ids = [stop_token_ids]
-            stop_ids = self._check_token_ids(list(stop_token_ids), "stop_token_ids",
-                                             "a token id or a flat sequence of integer token ids")
+            elif not isinstance(stop_token_ids, (bytes, bytearray, memoryview)):
+                try:
+                    stop_token_ids = list(stop_token_ids)  # a set or a generator, once
+                except TypeError:
+                    raise GenerationError(f"stop_token_ids must be {accepted}, got {stop_token_ids!r:.80}") from None
+            stop_ids = self._check_token_ids(stop_token_ids, "stop_token_ids", accepted)
         ids = self.encode_prompt(prompt, chat, fim_suffix, allow_special_tokens)
         total = len(ids) + int(max_new_tokens)
         if total > self.max_context:

@@ -274,6 +274,9 @@ BAD_REQUESTS = [
     (dict(prompt=[1, 512]), "outside the vocabulary"),
     (dict(prompt=[1.5, 2.0]), "integer token ids"),
     (dict(prompt=[[1, 2]]), "flat sequence"),
+    (dict(prompt=[[1, 2], [3]]), "flat sequence"),  # ragged: NumPy cannot make an array of it
+    (dict(prompt=bytearray(b"abc")), "not bytes"),  # its elements would pass for token ids
+    (dict(prompt=b"abc"), "not bytes"),
     (dict(prompt="x", max_new_tokens=0), "max_new_tokens"),
     (dict(prompt="x", max_new_tokens=2.5), "max_new_tokens"),
     (dict(prompt="x", max_new_tokens=5000), "exceeds the engine's context"),
@@ -287,6 +290,9 @@ BAD_REQUESTS = [
     (dict(prompt="x", stop_token_ids=[10**6]), "stop_token_ids"),
     (dict(prompt="x", stop_token_ids="</s>"), "stop_token_ids takes token ids, not text"),
     (dict(prompt="x", stop_token_ids=[1.5]), "stop_token_ids must be a token id or a flat sequence"),
+    (dict(prompt="x", stop_token_ids=5.0), "stop_token_ids must be a token id or a flat sequence"),
+    (dict(prompt="x", stop_token_ids=object()), "stop_token_ids must be a token id or a flat sequence"),
+    (dict(prompt="x", stop_token_ids=[[1], [2, 3]]), "stop_token_ids must be a token id or a flat sequence"),
     (dict(prompt=[1, 2], chat=True), "need a text prompt"),
     (dict(prompt=[1, 2], fim_suffix="y"), "need a text prompt"),
     (dict(prompt="x", chat=True, fim_suffix="y"), "cannot be combined"),

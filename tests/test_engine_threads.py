@@ -108,6 +108,14 @@ def test_streams_in_several_threads_take_turns_step_by_step(model_path, alone):
         assert engine.allocator.num_free == engine.allocator.num_pages
 
 
+def test_threads_that_share_one_stream_take_its_pieces_in_turn(model_path, alone):
+    with Engine(model_path, backend="numpy") as engine:
+        stream = engine.stream(PROMPTS[0], max_new_tokens=STEPS, stop_token_ids=[])
+        taken = run_in_threads(*[lambda: [piece.token_id for piece in stream] for _ in range(4)])
+        assert sorted(t for ids in taken for t in ids if t is not None) == sorted(alone[0])
+        assert stream.result.token_ids == alone[0] and engine.allocator.num_free == engine.allocator.num_pages
+
+
 def test_interleaved_speculative_streams_resume_from_their_last_chosen_token(model_path, alone):
     """A verify pass may choose several tokens that the stream yields one at a time; another stream
     running in between makes the first one start its passes again from the last token it chose."""

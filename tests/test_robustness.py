@@ -159,7 +159,7 @@ def test_closed_engine_refuses_every_call(tmp_path):
     engine.close()  # idempotent
     assert engine.backend is None and closed_backends == [True]
     for call in (lambda: engine.generate("x"), lambda: engine.stream("x"), lambda: engine.encode_prompt("x"),
-                 lambda: next(stream)):
+                 lambda: engine.check_settings(speculate=2), lambda: next(stream)):
         with pytest.raises(GenerationError, match="engine is closed"):
             call()
     assert "closed" in repr(engine)
