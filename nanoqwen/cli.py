@@ -372,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         # argparse takes positionals from their first run only, so `generate MODEL --top-k 5 PROMPT`
         # leaves PROMPT over; the subcommand's intermixed parse takes them wherever they stand
         # (and names any argument that is really unknown).
-        rest = argv[argv.index(args.command) + 1:]
-        args = args.parser.parse_intermixed_args(rest, argparse.Namespace(command=args.command))
+        position = argv.index(args.command)
+        if position:  # before the command stand only --help and --version, which exit
+            parser.error(f"unrecognized arguments: {' '.join(argv[:position])}")
+        args = args.parser.parse_intermixed_args(argv[position + 1:], argparse.Namespace(command=args.command))
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -65,6 +65,9 @@ def test_options_may_stand_between_model_and_prompt(capsys, model_path):
     with pytest.raises(SystemExit) as exit_info:
         run(capsys, "generate", model_path, "--max-new-tokens", 5, "x", "--bogus", 3)
     assert exit_info.value.code == 2 and "unrecognized arguments: --bogus 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # an unknown option before the command is no option of it
+        run(capsys, "--bogus", "generate", model_path, "x")
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_a_prompt_that_mentions_a_model_file_is_a_prompt(capsys, monkeypatch, model_path):
