@@ -207,8 +207,8 @@ def test_planned_ring_bytes_match_the_device(config_name):
 @pytest.mark.parametrize("config_name", ["7b", "odd"])
 def test_the_device_holds_the_chain_gemvs_blocks_the_plan_counts(config_name):
     """plan.chain_splits picks q|k|v's and o's split from resident_blocks without a GPU: the compiled
-    kernels, and their forms around a norm, stay within its register bound, and at every split the driver fits at least as many
-    of their blocks per SM as the plan counts."""
+    kernels, and their forms around a norm, stay within its register bound, and at every split the
+    driver fits at least as many of their blocks per SM as the plan counts."""
     sm = sm_budget(cp.cuda.Device())
     group_size = CONFIGS[config_name].group_size
     for name in ("gemv_int4_from_hidden", QKV_ROPE_KERNEL, "gemv_int4_from_q_dim", f"{QKV_ROPE_KERNEL}_normalized",

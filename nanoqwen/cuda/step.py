@@ -277,7 +277,7 @@ class DecodeStep:
         "Whether decode's norms run inside the GEMVs around them (off by default): o and down add into the "
         "residual and sum its squares per tile, q|k|v and gate+up normalize their own input "
         "(kernels/gemv_int4.cu, \"the norm inside the GEMVs\"), so each layer after the first launches two "
-        "norm kernels fewer; off, a norm kernel runs before each, the form results/ records. Both compute the same bits "
-        "(tests/test_kernels_cuda.py).",
+        "norm kernels fewer; off, a norm kernel runs before each, the form results/ records. Both compute the "
+        "same bits (tests/test_kernels_cuda.py).",
         allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
         refusal="norms_in_gemvs needs fp16 activations: the INT8 path quantizes each projection's input itself")
