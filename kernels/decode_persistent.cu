@@ -21,8 +21,9 @@
 //   global memory and the last of a tile's splits to arrive adds them in split order, as the block
 //   of the GEMV kernel does (add_splits), and finishes the tile (RoPE and the cache write, the
 //   residual update, or SwiGLU);
-// - the norm is every decode form's: each block that needs the normalized residual computes it,
-//   adding the squares in decode's order (norm_into, rmsnorm.cu's normalize_row_in_block);
+// - the norm is add_rmsnorm_cluster's: every block that needs the normalized residual computes it,
+//   playing the cluster's 8 blocks' threads to add the squares in that kernel's order (norm_into,
+//   rmsnorm.cu's normalize_row_in_block);
 // - attention is the decode kernel's units (split, KV head), four consumer warps each, with the same
 //   pages per consumer and the same merges (paged_attention.cuh), and the combine is its kernel's.
 #include "rmsnorm.cu"
@@ -88,7 +89,7 @@ struct GemvSlot {
 constexpr int X_HALVES = NQ_INTERMEDIATE > NQ_HIDDEN ? (NQ_INTERMEDIATE > NQ_Q_DIM ? NQ_INTERMEDIATE : NQ_Q_DIM)
                                                      : (NQ_HIDDEN > NQ_Q_DIM ? NQ_HIDDEN : NQ_Q_DIM);
 constexpr int SHARED_LIMIT = 227 * 1024;  // a Hopper block's dynamic shared memory
-constexpr int FIXED_BYTES = X_HALVES * 2 + NQ_HIDDEN * 4 + NORM_TILES * 4 + 64;
+constexpr int FIXED_BYTES = X_HALVES * 2 + NQ_HIDDEN * 4 + NORM_VIRTUAL_WARPS * 4 + 64;
 
 // Attention: ATTENTION_QUADS units (split, KV head) at once, four consumer warps each, every warp
 // with KV_STAGES pages of K and V in flight and its query fragments in shared memory (in registers
@@ -127,7 +128,7 @@ struct StepInputs {
 struct PersistentShared {
   uint4 x[X_HALVES / 8];  // the operation's input vector, fp16
   float4 residual[RMS_VECTORS];  // the norm's row, read from L2 in one round trip
-  float norm_tile_sums[NORM_TILES];  // the norm's tile sums (rmsnorm.cu, decode's order)
+  float norm_sums[NORM_VIRTUAL_WARPS];
   StepInputs step;
   union {
     GemvSlot<1> split_rings[PERSIST_WARPS][SPLIT_STAGES];
@@ -263,7 +264,7 @@ __device__ __forceinline__ void norm_into(const float* residual, const unsigned 
                                           uint2* out, PersistentShared& sh) {
   stage_pieces<RMS_VECTORS>(sh.residual, reinterpret_cast<const float4*>(residual));
   __syncthreads();
-  normalize_row_in_block(sh.residual, weight, out, sh.norm_tile_sums);
+  normalize_row_in_block(sh.residual, weight, out, sh.norm_sums);
 }
 
 // ---------------------------------------------------------------- GEMV tiles

@@ -48,7 +48,6 @@
 // partial sums from L2 on the decode step's critical path.
 #pragma once  // verify.cu includes it too, for its multi-row kernels
 #include "common.cuh"
-#include "rmsnorm.cu"  // decode's order of a norm's squares, which the GEMVs around a norm share
 
 constexpr int TILE_ROWS = 16;  // rows of a weight tile (nanoqwen/quant.py, tile_int4, lays them out)
 NQ_EXPORT_INT(TILE_ROWS)
@@ -200,60 +199,6 @@ __device__ __forceinline__ void stage_scales(unsigned short* destination, const 
   for (int e = 8 * pieces + thread; e < count; e += threads) destination[e] = __ldg(source + e);
 }
 
-// Where a decode GEMV's x comes from, group by group, into its warp's ring slots:
-// - a pointer to fp16 x, as the previous kernel wrote it: lanes 0-15 copy a group's 16 pieces
-//   (cp.async);
-// - NormalizedInput: the GEMV after a norm computes x = norm(residual) * weight itself (below).
-// A source answers three calls, made by every lane of the warp after the wait:
-//   pending = x_request(source, group, slot)  start group `group`'s x on its way to `slot`
-//   x_ready(source)                           once, after the prologue's requests
-//   x_place(source, pending, group, slot)     finish it; the slot is read after the warp's next __syncwarp
-struct NoPendingX {};
-
-__device__ __forceinline__ NoPendingX x_request(const unsigned short* x, int group, uint4* slot) {
-  const int lane = threadIdx.x % WARP_SIZE;
-  if (lane < X_PIECES_PER_GROUP) copy_async_16B(slot + lane, x + group * NQ_GROUP_SIZE + 8 * lane);
-  return {};
-}
-__device__ __forceinline__ void x_ready(const unsigned short*) {}
-__device__ __forceinline__ void x_place(const unsigned short*, NoPendingX, int, uint4*) {}
-
-// ---------------------------------------------------------------- the norm inside the GEMVs
-//
-// Decode's norms stand between a GEMV that ends a sublayer (o, down) and one that begins the next
-// (q|k|v, gate+up). As a kernel of its own a norm is a launch and a round trip to L2 on the step's
-// chain, for a row that HBM would deliver in a hundredth of a microsecond. Decode's order of the
-// squares (rmsnorm.cu) splits it at its seam:
-// - the GEMV before the norm adds its rows into the residual itself, and the block that finishes a
-//   16-row tile stores the tile's sum of squares (the order's first step) into `tile_square_sums`,
-//   fp32 [H / 16] (gemv_int4_*_into_residual);
-// - the GEMV after it reads that row back: after its wait each warp adds the tile sums (the
-//   order's second step) and, where it would have copied a group of x into its ring, writes the
-//   group's residual * inv_rms * weight, fp16, as add_rmsnorm_cluster would have stored it
-//   (gemv_int4_*_normalized).
-// The step has the same bits either way (tests/test_kernels_cuda.py), two launches fewer per layer.
-struct NormalizedInput {
-  const float* residual;                  // fp32 [H], the producing GEMV's output
-  const unsigned short* __restrict__ weight;  // the norm's, fp16 [H]
-  const float* tile_square_sums;          // fp32 [H / 16], the producing GEMV's output
-  float inv_rms;
-};
-// Lane l's 4 residual values of group `group`, loaded now, normalized at x_place. (The norm's
-// weights are loaded there: held across x_ready as well, q|k|v's registers spill.)
-__device__ __forceinline__ float4 x_request(const NormalizedInput& source, int group, uint4*) {
-  return reinterpret_cast<const float4*>(source.residual)[group * (NQ_GROUP_SIZE / 4) + threadIdx.x % WARP_SIZE];
-}
-// Every warp adds the tile sums itself: sharing one warp's sum would put a block barrier on the
-// step's chain, and after the block's first warp the loads hit L1.
-__device__ __forceinline__ void x_ready(NormalizedInput& source) {
-  source.inv_rms = inverse_rms(row_squares_from_tiles(source.tile_square_sums));
-}
-__device__ __forceinline__ void x_place(const NormalizedInput& source, float4 residual, int group, uint4* slot) {
-  const int lane = threadIdx.x % WARP_SIZE;
-  const uint2 weight = __ldg(reinterpret_cast<const uint2*>(source.weight) + group * (NQ_GROUP_SIZE / 4) + lane);
-  reinterpret_cast<uint2*>(slot)[lane] = normalized_halves(residual, source.inv_rms, weight);
-}
-
 // For each of TILES row tiles, lane (g, t) accumulates into acc[tile][0] and acc[tile][1] the dot
 // products of rows rows[tile][0] (= row g of the tile) and rows[tile][1] (= row g + 8) with x
 // over the groups [group_begin, group_end).
@@ -262,8 +207,8 @@ __device__ __forceinline__ void x_place(const NormalizedInput& source, float4 re
 // STAGES slots, STAGES - 1 groups ahead of the one being multiplied, so that the warp's chain per
 // group is shared loads, unpacking and MMAs, never a wait on global memory:
 // - weights: each lane copies exactly the two 16-byte pieces it later reads itself;
-// - x: from the warp's x source (above), 256 bytes; every lane reads 64 of them, so the lanes
-//   meet at __syncwarp between copy and use.
+// - x: lanes 0-15 copy its 256 bytes; every lane reads 64 of them, so the lanes meet at
+//   __syncwarp between copy and use.
 // The scales, two bytes per row and group, come one of two ways:
 // - STAGED: from shared memory, where the caller copied its tiles' scales before the wait
 //   (stage_scales); `tile_scales` holds them as [TILES][16 rows][GROUPS], rows g and g + 8 (or the
@@ -289,11 +234,11 @@ __device__ __forceinline__ void x_place(const NormalizedInput& source, float4 re
 // bytes per slot, and the rings that fit an SM would be half as deep, or its blocks would not all
 // fit at once. Each lane loads its columns' x from global memory (L1, which every block of the SM
 // shares, serves most of it); x_ring is then unused.
-template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false, int TOKENS = 1, typename Input>
+template <int K, int TILES, int STAGES, bool STAGED, bool AHEAD = false, int TOKENS = 1>
 __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ qweight,
                                               const unsigned short* __restrict__ scales,
                                               const unsigned short* tile_scales, const int (&scale_rows)[2],
-                                              Input x, const int (&rows)[TILES][2],
+                                              const unsigned short* x, const int (&rows)[TILES][2],
                                               int group_begin, int group_end,
                                               uint4 (&weight_ring)[STAGES][TILES][2][WARP_SIZE], uint4* x_ring,
                                               int tokens, float (&acc)[TILES][gemv_accumulators(TOKENS)]) {
@@ -324,7 +269,11 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
       scale_source[tile][r] = scales + row * GROUPS + group_begin;
     }
   }
-  auto x_slot = [&](int slot) { return x_ring + slot * X_PIECES_PER_GROUP; };
+  const unsigned short* x_source = x + group_begin * NQ_GROUP_SIZE + 8 * lane;  // lanes < 16 copy x
+  // Copy group `i`'s x into slot `slot` (decode's: lanes 0-15 copy its 16 pieces).
+  auto fetch_x = [&](int i, int slot) {
+    if (!ROWS && lane < X_PIECES_PER_GROUP) copy_async_16B(x_ring + slot * X_PIECES_PER_GROUP + lane, x_source + i * NQ_GROUP_SIZE);
+  };
   // Verifying, column g of block c is token 8 c + g (the last token where there are fewer: those
   // columns are computed and dropped), and lane (g, t) multiplies its elements 32 t .. 32 t + 31
   // of each group, four 16-byte pieces from token_x[c] + 16 i in group i of the range.
@@ -348,7 +297,7 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
         if constexpr (!STAGED) scale_ring[SLOT][tile][r] = __ldg(scale_source[tile][r] + (i));            \
       }                                                                                                  \
     }                                                                                                    \
-    if (!ROWS && WITH_X) x_place(x, x_request(x, group_begin + (i), x_slot(SLOT)), group_begin + (i), x_slot(SLOT)); \
+    if (WITH_X) fetch_x((i), (SLOT));                                                                    \
   } while (0)
 
   if constexpr (!STAGED) {
@@ -370,16 +319,9 @@ __device__ __forceinline__ void int4_tile_dot(const unsigned int* __restrict__ q
   }
   if (all_ahead && count == STAGES) NQ_FETCH_GROUP(STAGES - 1, STAGES - 1, false);
   wait_for_previous_kernel();  // the weights above are no kernel's output; x is the previous one's
-  if constexpr (!ROWS) {
-    decltype(x_request(x, 0, x_ring)) pending[STAGES];
 #pragma unroll
-    for (int u = 0; u < STAGES; ++u)
-      if ((u < STAGES - 1 || all_ahead) && u < count) pending[u] = x_request(x, group_begin + u, x_slot(u));
-    x_ready(x);
-#pragma unroll
-    for (int u = 0; u < STAGES; ++u)
-      if ((u < STAGES - 1 || all_ahead) && u < count) x_place(x, pending[u], group_begin + u, x_slot(u));
-  }
+  for (int u = 0; u < STAGES; ++u)
+    if ((u < STAGES - 1 || all_ahead) && u < count) fetch_x(u, u);
   copy_async_commit();
   copy_async_wait<0>();  // the prologue's groups, their x (and, STAGED, this thread's share of the scales)
   if constexpr (STAGED) __syncthreads();  // and every other thread's share: the block stages them together
@@ -467,9 +409,9 @@ __device__ __forceinline__ void add_splits(float (&split_sums)[MAX_SPLITS][TILES
 // G / splits) of the rows `rows` (lane (g, t): rows[0][0] and rows[0][1], as int4_tile_dot takes
 // them) with x into acc. Decode's split-K GEMVs and the verify pass's share it, so that both cut
 // K alike and a verify row's sums are decode's.
-template <int K, int STAGES, bool AHEAD, int TOKENS, typename Input>
+template <int K, int STAGES, bool AHEAD, int TOKENS>
 __device__ __forceinline__ void split_k_tile_dot(const unsigned int* __restrict__ qweight,
-                                                 const unsigned short* __restrict__ scales, Input x,
+                                                 const unsigned short* __restrict__ scales, const unsigned short* x,
                                                  const int (&rows)[1][2],
                                                  uint4 (&weight_ring)[STAGES][1][2][WARP_SIZE], uint4* x_ring,
                                                  int tokens, float (&acc)[1][gemv_accumulators(TOKENS)]) {
@@ -486,9 +428,9 @@ __device__ __forceinline__ void split_k_tile_dot(const unsigned int* __restrict_
 // for its value before then does not hold it in a register through the loop. Every thread of the
 // block calls it.
 // dynamic shared memory: splits x sizeof(GemvRing<STAGES, 1>)
-template <int K, int STAGES, bool AHEAD, typename Input, typename Start>
+template <int K, int STAGES, bool AHEAD, typename Start>
 __device__ __forceinline__ float split_k_tile_row(const unsigned int* __restrict__ qweight,
-                                                  const unsigned short* __restrict__ scales, Input x,
+                                                  const unsigned short* __restrict__ scales, const unsigned short* x,
                                                   const int (&rows)[1][2], Start start) {
   __shared__ float split_sums[SPLIT_K_MAX_WARPS][1][TILE_ROWS];
   float acc[1][2] = {{0.0f, 0.0f}};
@@ -538,50 +480,6 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
 NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false, 1)
-
-// o and down before a norm (the norm inside the GEMVs, above): residual += W x (+ bias), and the
-// block's tile of squares of the updated rows, in decode's order, into tile_square_sums[tile].
-// Each row is the plain kernel's y added to the residual as add_rmsnorm_cluster adds it.
-//   qweight, scales, bias, x as gemv_int4_split_k's (n_rows = H); residual fp32 [H], updated in
-//   place; tile_square_sums fp32 [H / 16]
-static_assert(NQ_HIDDEN % TILE_ROWS == 0, "the residual's rows are whole tiles");
-template <int K, int STAGES, bool AHEAD>
-__device__ __forceinline__ void gemv_int4_into_residual(const unsigned int* __restrict__ qweight,
-                                                        const unsigned short* __restrict__ scales,
-                                                        const unsigned short* __restrict__ bias,
-                                                        const unsigned short* x, float* residual,
-                                                        float* __restrict__ tile_square_sums) {
-  let_next_kernel_launch();
-  const int lane = threadIdx.x % WARP_SIZE;
-  const int row0 = blockIdx.x * TILE_ROWS + lane / 4;
-  const int rows[1][2] = {{row0, row0 + 8}};
-  const int row = blockIdx.x * TILE_ROWS + threadIdx.x % TILE_ROWS;
-  const float total = split_k_tile_row<K, STAGES, AHEAD>(qweight, scales, x, rows, [=] {
-    return threadIdx.x < TILE_ROWS && bias != nullptr ? half_to_float(bias[row]) : 0.0f;
-  });
-  if (threadIdx.x >= WARP_SIZE) return;  // warp 0 finishes the tile: its lanes 16-31 add zeros
-  float updated = 0.0f;
-  if (threadIdx.x < TILE_ROWS) {
-    updated = residual[row] + total;
-    residual[row] = updated;
-  }
-  const float tile_squares = tile_squares_across_lanes(updated);
-  if (threadIdx.x == 0) tile_square_sums[blockIdx.x] = tile_squares;
-}
-
-// grid (H / 16), block (32 splits), as the plain kernel of the same input width
-#define NQ_GEMV_INT4_INTO_RESIDUAL_KERNEL(NAME, K, STAGES, AHEAD, MIN_BLOCKS)                              \
-  extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, MIN_BLOCKS)                  \
-      NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
-           const unsigned short* __restrict__ bias, const unsigned short* x, float* residual,             \
-           float* __restrict__ tile_square_sums) {                                                         \
-    gemv_int4_into_residual<K, STAGES, AHEAD>(qweight, scales, bias, x, residual, tile_square_sums);       \
-  }
-
-NQ_GEMV_INT4_INTO_RESIDUAL_KERNEL(gemv_int4_from_q_dim_into_residual, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true,
-                                  CHAIN_GEMV_MIN_BLOCKS)
-NQ_GEMV_INT4_INTO_RESIDUAL_KERNEL(gemv_int4_from_intermediate_into_residual, NQ_INTERMEDIATE,
-                                  NQ_FROM_INTERMEDIATE_STAGES, false, 1)
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
 // and rope_write_kv (elementwise.cu) do one after the other, in one kernel.
@@ -637,13 +535,13 @@ __device__ __forceinline__ void store_qkv_dim(int head_slot, int dim, float tota
       float_to_half(is_key ? rotated : total);
 }
 
-template <typename Input>
-__device__ __forceinline__ void qkv_rope_tile(const unsigned int* __restrict__ qweight,
-                                              const unsigned short* __restrict__ scales,
-                                              const unsigned short* __restrict__ bias, Input x,
-                                              const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                                              const int* __restrict__ page_table,
-                                              unsigned short* __restrict__ kv_layer, float* __restrict__ q_out) {
+extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, CHAIN_GEMV_MIN_BLOCKS)
+gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                   const unsigned short* __restrict__ bias, const unsigned short* x,
+                   const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                   const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
+                   float* __restrict__ q_out) {
+  let_next_kernel_launch();
   const int split = threadIdx.x / WARP_SIZE;
   int rows[1][2], head_slot, first_dim;
   rope_tile_rows(blockIdx.x, rows, head_slot, first_dim);
@@ -670,31 +568,6 @@ __device__ __forceinline__ void qkv_rope_tile(const unsigned int* __restrict__ q
                 kv_layer, q_out);
 }
 
-extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, CHAIN_GEMV_MIN_BLOCKS)
-gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                   const unsigned short* __restrict__ bias, const unsigned short* x,
-                   const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                   const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
-                   float* __restrict__ q_out) {
-  let_next_kernel_launch();
-  qkv_rope_tile(qweight, scales, bias, x, positions, inv_freq, page_table, kv_layer, q_out);
-}
-
-// The same after a norm: x = norm(residual) * norm_weight, from the producing GEMV's residual and tile
-// sums (the norm inside the GEMVs, above). residual fp32 [H]; norm_weight fp16 [H]; tile_square_sums
-// fp32 [H / 16]; the rest as gemv_int4_qkv_rope's.
-extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, CHAIN_GEMV_MIN_BLOCKS)
-gemv_int4_qkv_rope_normalized(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                              const unsigned short* __restrict__ bias, const float* residual,
-                              const unsigned short* __restrict__ norm_weight, const float* tile_square_sums,
-                              const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                              const int* __restrict__ page_table, unsigned short* __restrict__ kv_layer,
-                              float* __restrict__ q_out) {
-  let_next_kernel_launch();
-  qkv_rope_tile(qweight, scales, bias, NormalizedInput{residual, norm_weight, tile_square_sums, 0.0f}, positions,
-                inv_freq, page_table, kv_layer, q_out);
-}
-
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
 // Reference: reference/ops.py, silu_mul(int4_linear(x, gate), int4_linear(x, up)).
 // qweight/scales hold gate's rows then up's ([2 I, H] tiled, [2 I, H/128]). Block `tile` takes the
@@ -717,9 +590,9 @@ __device__ int gemv_int4_gate_up_silu_ring_bytes = sizeof(GateUpRing);  // read 
 // Block blockIdx.x's tile of gate's rows and the same rows of up, times x, its warps splitting the
 // input groups: stages the two tiles' scales in `tile_scales` and leaves each warp's sums in acc
 // (int4_tile_dot's layout, tile 0 gate's, tile 1 up's). Decode's kernel and the verify pass's.
-template <int STAGES, int TOKENS, typename Input>
+template <int STAGES, int TOKENS>
 __device__ __forceinline__ void gate_up_tile_dot(const unsigned int* __restrict__ qweight,
-                                                 const unsigned short* __restrict__ scales, Input x,
+                                                 const unsigned short* __restrict__ scales, const unsigned short* x,
                                                  unsigned short (&tile_scales)[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)],
                                                  uint4 (&weight_ring)[STAGES][2][2][WARP_SIZE], uint4* x_ring,
                                                  int tokens, float (&acc)[2][gemv_accumulators(TOKENS)]) {
@@ -741,12 +614,12 @@ __device__ __forceinline__ void gate_up_tile_dot(const unsigned int* __restrict_
 // silu(g) * u = g / (1 + exp(-g)) * u, in fp32 with the accurate expf.
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
-template <typename Input>
-__device__ __forceinline__ void gate_up_silu_tile(const unsigned int* __restrict__ qweight,
-                                                  const unsigned short* __restrict__ scales, Input x,
-                                                  unsigned short* __restrict__ h) {
+extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE, GATE_UP_MIN_BLOCKS)
+gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                       const unsigned short* x, unsigned short* __restrict__ h) {
   __shared__ __align__(16) unsigned short tile_scales[2][TILE_ROWS * (NQ_HIDDEN / NQ_GROUP_SIZE)];  // gate's, up's
   __shared__ float split_sums[GATE_UP_MAX_SPLITS][2][TILE_ROWS];
+  let_next_kernel_launch();
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
   GateUpRing& ring = reinterpret_cast<GateUpRing*>(gemv_shared)[threadIdx.x / WARP_SIZE];
   gate_up_tile_dot<NQ_GATE_UP_STAGES, 1>(qweight, scales, x, tile_scales, ring.weights, &ring.x[0][0], 1, acc);
@@ -755,24 +628,6 @@ __device__ __forceinline__ void gate_up_silu_tile(const unsigned int* __restrict
   add_splits(split_sums, acc, start, total);
   const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
   if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) h[row] = float_to_half(silu_times(total[0], total[1]));
-}
-
-extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE, GATE_UP_MIN_BLOCKS)
-gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,
-                       const unsigned short* x, unsigned short* __restrict__ h) {
-  let_next_kernel_launch();
-  gate_up_silu_tile(qweight, scales, x, h);
-}
-
-// The same after a norm, as gemv_int4_qkv_rope_normalized: residual fp32 [H]; norm_weight fp16 [H];
-// tile_square_sums fp32 [H / 16]; h fp16 [I]
-extern "C" __global__ void __launch_bounds__(GATE_UP_MAX_SPLITS * WARP_SIZE, GATE_UP_MIN_BLOCKS)
-gemv_int4_gate_up_silu_normalized(const unsigned int* __restrict__ qweight,
-                                  const unsigned short* __restrict__ scales, const float* residual,
-                                  const unsigned short* __restrict__ norm_weight, const float* tile_square_sums,
-                                  unsigned short* __restrict__ h) {
-  let_next_kernel_launch();
-  gate_up_silu_tile(qweight, scales, NormalizedInput{residual, norm_weight, tile_square_sums, 0.0f}, h);
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a

@@ -37,19 +37,16 @@ def int4_bytes(out_features: int, in_features: int, group_size: int) -> int:
     return out_features * in_features // 2 + out_features * in_features // group_size * 2
 
 
-def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True, norms_in_gemvs: bool = False) -> dict[str, int]:
+def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True) -> dict[str, int]:
     """The byte floor of one decode step (`bytes_per_token`), by the kernel that reads each byte:
     the step's kernels with RoPE in the q|k|v GEMV (the fp16 engine's default), or, not
-    `rope_in_qkv`, with the plain GEMV and rope_write_kv (CudaBackend.rope_in_qkv). With
-    `norms_in_gemvs` (CudaBackend.norms_in_gemvs) the GEMVs after a norm read its weights, and the
-    GEMVs before one are their residual-adding forms."""
+    `rope_in_qkv`, with the plain GEMV and rope_write_kv (CudaBackend.rope_in_qkv)."""
     L, H, I, g = config.num_layers, config.hidden_size, config.intermediate_size, config.group_size
     qkv = config.q_dim + 2 * config.kv_dim
     qkv_bytes = L * (int4_bytes(qkv, H, g) + 2 * qkv)  # + q, k, v biases
-    norm_bytes = 2 * H  # a norm's weights
-    by_kernel = {
+    return {
         "embed_tokens": 2 * H,  # one row of the embedding
-        "add_rmsnorm_cluster": (2 * L + 1) * norm_bytes,  # 2 per layer + the final norm
+        "add_rmsnorm_cluster": (2 * L + 1) * 2 * H,  # a norm weight each: 2 per layer + the final norm
         **({"gemv_int4_qkv_rope": qkv_bytes} if rope_in_qkv else {"gemv_int4_from_hidden": qkv_bytes, "rope_write_kv": 0}),
         "attention_decode": L * 2 * config.kv_dim * 2 * context,  # K and V of every cached position
         "gemv_int4_from_q_dim": L * int4_bytes(H, config.q_dim, g),
@@ -58,15 +55,3 @@ def kernel_bytes(config: ModelConfig, context: int, rope_in_qkv: bool = True, no
         "lm_head_logits": config.vocab_size * H * 2,
         "argmax_select_next": 0,
     }
-    if norms_in_gemvs:  # the input norms after layer 0 (where q|k|v has RoPE's form) and every post-attention norm
-        for kernel, norms in (("gemv_int4_qkv_rope", L - 1 if rope_in_qkv else 0), ("gemv_int4_gate_up_silu", L)):
-            if norms:  # layer 0's q|k|v stays the plain kernel
-                per_layer = by_kernel[kernel] // L
-                by_kernel[f"{kernel}_normalized"] = norms * (per_layer + norm_bytes)
-                by_kernel[kernel] -= norms * per_layer
-                by_kernel["add_rmsnorm_cluster"] -= norms * norm_bytes
-                if not by_kernel[kernel]:
-                    del by_kernel[kernel]
-        for kernel in ("gemv_int4_from_q_dim", "gemv_int4_from_intermediate"):
-            by_kernel[f"{kernel}_into_residual"] = by_kernel.pop(kernel)
-    return by_kernel

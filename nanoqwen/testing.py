@@ -29,8 +29,7 @@ from .config import ModelConfig
 from .loader import Model
 from .quant import dequantize_int4
 
-__all__ = ["ACCEPTED_SHAPES", "CHECKED_SHAPES", "CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "decode_order_square_sums",
-           "decode_order_norm", "fp16_relative_rms",
+__all__ = ["ACCEPTED_SHAPES", "CHECKED_SHAPES", "CODE_EDIT_PROMPTS", "DEFAULT_CONFIG", "FAMILY_SHAPES", "ROUNDING_TOLERANCE_FACTOR", "fp16_relative_rms",
            "make_hf_checkpoint", "make_nanoqwen", "make_tokenizer", "make_tokenizer_files", "reference_model",
            "rounding_noise", "rounding_tolerance"]
 
@@ -403,38 +402,3 @@ def rounding_tolerance(reference_logits: np.ndarray, perturbed_logits: np.ndarra
     first-order fp16 rounding noise did to the reference's logits there (`rounding_noise`)."""
     difference = np.asarray(perturbed_logits, np.float64) - np.asarray(reference_logits, np.float64)
     return factor * float(np.sqrt(np.mean(difference * difference)))
-
-
-NORM_TILE_VALUES = 16  # kernels/rmsnorm.cu's tile of decode's order: a GEMV's 16-row tile
-WARP_LANES = 32
-
-
-def decode_order_square_sums(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Decode's sum of squares of fp32 rows [..., H], added in the order every decode kernel adds it
-    (kernels/rmsnorm.cu, "decode's order of the squares"), so that a test can ask the kernels for
-    exact bits: (each 16-value tile's sum [..., H / 16], each row's sum [...]), fp32."""
-    rows = np.asarray(rows, dtype=np.float32)
-    tiles = np.square(rows).reshape(*rows.shape[:-1], -1, NORM_TILE_VALUES)
-    width = NORM_TILE_VALUES // 2
-    while width:  # the 16-lane butterfly: value m meets m ^ 8, then m ^ 4, m ^ 2, m ^ 1
-        tiles = tiles[..., :width] + tiles[..., width : 2 * width]
-        width //= 2
-    tile_sums = tiles[..., 0]
-    lanes = np.zeros((*tile_sums.shape[:-1], WARP_LANES), dtype=np.float32)
-    for first in range(0, tile_sums.shape[-1], WARP_LANES):  # lane l: tiles l, l + 32, ... in order
-        chunk = tile_sums[..., first : first + WARP_LANES]
-        lanes[..., : chunk.shape[-1]] += chunk
-    offset = WARP_LANES // 2
-    while offset:  # warp_sum's butterfly
-        lanes = lanes + lanes[..., np.arange(WARP_LANES) ^ offset]
-        offset //= 2
-    return tile_sums, lanes[..., 0]
-
-
-def decode_order_norm(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """fp16 norm(rows) * weight with decode's sum of squares, computed as the kernels compute it
-    (kernels/rmsnorm.cu, normalized_halves): the exact bits of any decode form's normalized row."""
-    rows = np.asarray(rows, dtype=np.float32)
-    _, sums = decode_order_square_sums(rows)
-    inv_rms = np.float32(1) / np.sqrt(sums / np.float32(rows.shape[-1]) + np.float32(eps))
-    return (rows * inv_rms[..., None] * np.asarray(weight).astype(np.float32)).astype(np.float16)

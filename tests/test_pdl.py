@@ -32,7 +32,6 @@ from nanoqwen.cuda.launch import (
     KERNELS_THAT_WAIT, LaunchError, ProgrammaticKernel, StepKernel, pack_arguments, programmatic_launches,
     programmatic_launches_active,
 )
-from nanoqwen.cuda.plan import GEMV_FORMS
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 PROGRAMMATIC = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION in cuda.h
@@ -323,8 +322,7 @@ DECODE_KERNELS = {  # kernel -> file, every kernel a decode step can launch (Pat
     **{name: "elementwise.cu" for name in ("embed_tokens", "rope_write_kv", "silu_mul_rows")},
     "add_rmsnorm_cluster": "rmsnorm.cu",
     **{name: "gemv_int4.cu" for name in ("gemv_int4_from_hidden", "gemv_int4_from_q_dim",
-                                          "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
-                                          "gemv_int4_qkv_rope", *GEMV_FORMS)},
+                                          "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu")},
     "lm_head_logits": "lm_head.cu",
     "argmax_select_next": "sampler.cu",
     "paged_attention_decode": "paged_attention.cu",

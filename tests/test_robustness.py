@@ -211,10 +211,6 @@ def test_a_decode_form_switch_drops_the_graph_and_refuses_what_the_path_lacks():
     with pytest.raises(ValueError, match="rope_in_qkv needs fp16 activations"):
         backend.rope_in_qkv = True
     assert backend.rope_in_qkv is False
-    backend.norms_in_gemvs = False
-    with pytest.raises(ValueError, match="norms_in_gemvs needs fp16 activations"):
-        backend.norms_in_gemvs = True
-    assert backend.norms_in_gemvs is False
 
 
 def test_hopper_gpu_counts_as_available(monkeypatch):

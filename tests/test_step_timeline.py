@@ -15,10 +15,6 @@ LAYER = ["add_rmsnorm_cluster", "gemv_int4_qkv_rope", "paged_attention_decode", 
          "gemv_int4_from_q_dim", "add_rmsnorm_cluster", "gemv_int4_gate_up_silu", "gemv_int4_from_intermediate"]
 # The layer with RoPE in a launch of its own (CudaBackend.rope_in_qkv off, INT8 activations)
 LAYER_ROPE_APART = [*LAYER[:1], "gemv_int4_from_hidden", "rope_write_kv", *LAYER[2:]]
-# A layer after the first with its norms inside the GEMVs (CudaBackend.norms_in_gemvs, the fp16 default)
-LAYER_NORMS_INSIDE = ["gemv_int4_qkv_rope_normalized", "paged_attention_decode", "paged_attention_combine",
-                      "gemv_int4_from_q_dim_into_residual", "gemv_int4_gate_up_silu_normalized",
-                      "gemv_int4_from_intermediate_into_residual"]
 
 
 def step_names(config) -> list[str]:
@@ -82,29 +78,6 @@ def test_floors_are_the_kernels_bytes_per_launch(records):
     assert by_kernel["gemv_int4_from_hidden"]["floor_us_per_launch"] == pytest.approx(qkv)
     assert by_kernel["rope_write_kv"]["floor_us_per_launch"] is None  # it reads nothing of the byte floor
     assert sum(kernel_bytes(config, 513).values()) == sum(kernel_bytes(config, 513, rope_in_qkv=False).values())
-
-
-def test_a_step_with_its_norms_inside_the_gemvs():
-    """Layer 0 keeps its input norm as a kernel (it normalizes the embedding), the other layers have
-    none: the layers are told apart by their downs, and the GEMVs after a norm read its weights."""
-    config = QWEN25_CODER_7B
-    layer_0 = ["add_rmsnorm_cluster", "gemv_int4_qkv_rope", *LAYER_NORMS_INSIDE[1:]]
-    names = ["embed_tokens", *layer_0, *LAYER_NORMS_INSIDE * (config.num_layers - 1), "add_rmsnorm_cluster",
-             "lm_head_logits", "argmax_select_next"]
-    released = np.cumsum(np.full((1, len(names)), 2_000), axis=1)
-    summary = step_timeline.summarize(config, names, released - 500, released, released[:, -1] + 2_000.0, READ_BANDWIDTH)
-    assert [r["kernel"] for r in summary["layer_0"]] == layer_0
-    by_kernel = {r["kernel"]: r for r in summary["rows"]}
-    assert by_kernel["add_rmsnorm_cluster"]["launches_per_step"] == 2
-    budget = kernel_bytes(config, step_timeline.STEP_PROMPT_TOKENS + 1, norms_in_gemvs=True)
-    assert set(budget) >= {"gemv_int4_qkv_rope", "gemv_int4_qkv_rope_normalized"}  # layer 0's q|k|v is the plain one
-    norm_bytes = 2 * config.hidden_size
-    assert budget["add_rmsnorm_cluster"] == 2 * norm_bytes
-    gate_up = (kernel_bytes(config, 513)["gemv_int4_gate_up_silu"] + config.num_layers * norm_bytes)
-    assert budget["gemv_int4_gate_up_silu_normalized"] == gate_up
-    for rope_in_qkv in (True, False):
-        assert sum(kernel_bytes(config, 513, rope_in_qkv, norms_in_gemvs=True).values()) == sum(
-            kernel_bytes(config, 513).values())
 
 
 class _RecordedAttention:

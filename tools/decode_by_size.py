@@ -4,14 +4,13 @@
 
 Each size is a random-weight file of the published shapes (`nanoqwen.random_model` presets),
 run through `Engine.generate` as `nanoqwen bench` runs it: a 512-token prompt, then 128 greedy
-tokens, the median of `REPEATS` runs, with the engine's decode step (a kernel per operation), with
-the norms inside the GEMVs around them (`CudaBackend.norms_in_gemvs`, chapter 4), and with the
-layers in one persistent kernel (`CudaBackend.persistent`, chapter 13). The
+tokens, the median of `REPEATS` runs, once with the engine's decode step (a kernel per operation)
+and once with the layers in one persistent kernel (`CudaBackend.persistent`, chapter 13). The
 floor is the bytes one step must read at the run's mean context over the read bandwidth measured
 at the start of the run (`nanoqwen.cuda.timing.read_bandwidth`). Peak GPU memory is the device
 memory CuPy's pool holds after the runs: the engine allocates everything at start, and the pool
 keeps what prefill took. Writes OUT.json (`{"rows": [{"model", "context", "ms_per_token",
-"ms_per_token_norms_in_gemvs", "ms_per_token_persistent", "floor_ms", "share_of_floor", "peak_gpu_bytes", "prefill_weights",
+"ms_per_token_persistent", "floor_ms", "share_of_floor", "peak_gpu_bytes", "prefill_weights",
 "time_to_first_token_ms"}, ...]}` with date, GPU, commit, command and read bandwidth) and OUT.md,
 again after every row, so that a run cut short leaves the rows it finished ("complete": false
 until the last)."""
@@ -45,21 +44,16 @@ def measure(model_path: Path, prompt_tokens: int, bandwidth: float) -> dict:
     engine = Engine(model_path, backend="cuda", max_context=prompt_tokens + NEW_TOKENS)
     try:
         ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
-        ms, runs, backend = {}, None, engine.backend
-        default = dict(persistent=backend.persistent, norms_in_gemvs=backend.norms_in_gemvs)
-        forms = {"persistent": dict(persistent=True), "norms_in_gemvs": dict(persistent=False, norms_in_gemvs=True),
-                 "engine": default}  # the engine's own settings last: its runs give the prefill times
-        for form, options in forms.items():
-            for option, value in options.items():
-                setattr(backend, option, value)
+        ms, runs = {}, None
+        for persistent in (True, False):  # the engine's default last: its runs give the prefill times
+            engine.backend.persistent = persistent
             engine.generate(ids[:32], max_new_tokens=8, stop_token_ids=[])  # compile, upload, capture
             runs = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) for _ in range(REPEATS)]
             cp.cuda.Device().synchronize()
-            ms[form] = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
+            ms[persistent] = 1e3 / statistics.median(r.decode_tokens_per_second for r in runs)
         floor = floor_ms(engine.config, prompt_tokens + NEW_TOKENS // 2, bandwidth)
-        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms["engine"],
-                    ms_per_token_norms_in_gemvs=ms["norms_in_gemvs"], ms_per_token_persistent=ms["persistent"],
-                    floor_ms=floor, share_of_floor=floor / ms["engine"], peak_gpu_bytes=int(pool.total_bytes()),
+        return dict(context=prompt_tokens + NEW_TOKENS, ms_per_token=ms[False], ms_per_token_persistent=ms[True],
+                    floor_ms=floor, share_of_floor=floor / ms[False], peak_gpu_bytes=int(pool.total_bytes()),
                     prefill_weights=engine.backend.prefill_weights,
                     time_to_first_token_ms=statistics.median(r.prefill_seconds for r in runs) * 1e3)
     finally:
@@ -75,15 +69,14 @@ def markdown(record: dict) -> str:
              f"- protocol: random weights of the published shapes, a {PROMPT_TOKENS}-token prompt (or the context "
              f"given), {NEW_TOKENS} greedy tokens, median of {REPEATS}; floor: the step's bytes at the mean context "
              f"over the read bandwidth measured in the run, {record['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s", "",
-             "| model | context | decode ms/token | floor ms | share of floor | norms inside the GEMVs | "
-             "the layers in one kernel | time to first token | peak GPU memory | prefill weights |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| model | context | decode ms/token | floor ms | share of floor | the layers in one kernel | "
+             "time to first token | peak GPU memory | prefill weights |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     if not record["complete"]:
         lines.insert(4, "- **incomplete**: the run ended before its last row")
     for r in record["rows"]:
         lines.append(f"| {r['model']} | {r['context']} | {r['ms_per_token']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{100 * r['share_of_floor']:.1f}% | {r['ms_per_token_norms_in_gemvs']:.3f} ms "
-                     f"({100 * r['floor_ms'] / r['ms_per_token_norms_in_gemvs']:.1f}%) | {r['ms_per_token_persistent']:.3f} ms "
+                     f"{100 * r['share_of_floor']:.1f}% | {r['ms_per_token_persistent']:.3f} ms "
                      f"({100 * r['floor_ms'] / r['ms_per_token_persistent']:.1f}%) | "
                      f"{r['time_to_first_token_ms']:.1f} ms | {r['peak_gpu_bytes'] / 2**30:.1f} GiB | "
                      f"{r['prefill_weights']} |")
@@ -119,8 +112,7 @@ def main() -> int:
         rows.append(dict(model=size, **measure(model, prompt_tokens, bandwidth)))
         r = rows[-1]
         print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
-              f"({100 * r['share_of_floor']:.1f}%), norms inside the GEMVs {r['ms_per_token_norms_in_gemvs']:.3f}, "
-              f"the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
+              f"({100 * r['share_of_floor']:.1f}%), the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
               f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
         in_size_order = sorted(rows, key=lambda row: (SIZES.index(row["model"]), row["context"]))  # whatever order ran
         record = {**header, "read_bandwidth_bytes_per_s": bandwidth, "complete": len(rows) == len(plan),

@@ -42,14 +42,12 @@ from nanoqwen.byte_floor import bytes_per_token, kernel_bytes
 from nanoqwen.cuda.persistent import persistent_refusal
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS
-from nanoqwen.cuda.profile import TIMING_STEPS, layer_spans, prompted_backend, step_launch_names, step_timing_record
+from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
 from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import load
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
-          QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE", f"{QKV_ROPE_KERNEL}_normalized": "norm + q|k|v GEMV + RoPE",
-          "gemv_int4_gate_up_silu_normalized": "norm + gate+up GEMV", f"{GEMV_KERNELS['o']}_into_residual":
-          "o GEMV + residual", f"{GEMV_KERNELS['down']}_into_residual": "down GEMV + residual",
+          QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE",
           GEMV_KERNELS["o"]: "o GEMV", "paged_attention_decode": "attention (split)", "paged_attention_combine":
           "attention (combine)", "add_rmsnorm_cluster": "add_rmsnorm", "rope_write_kv": "rope_write_kv",
           "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
@@ -128,8 +126,7 @@ def summarize(config, names: list[str], start, released, step_ns, bandwidth: flo
         entry["share_us"].extend((shares[:, k] / 1e3).tolist())
         entry["head_start_us"].extend((head_starts[:, k] / 1e3).tolist())
     # the timed step reads the prompt's positions and its own; RoPE has a launch of its own only where the q|k|v GEMV does not do it
-    floor_bytes = kernel_bytes(config, prompt_tokens + 1, rope_in_qkv="rope_write_kv" not in names,
-                               norms_in_gemvs="gemv_int4_gate_up_silu_normalized" in names)
+    floor_bytes = kernel_bytes(config, prompt_tokens + 1, rope_in_qkv="rope_write_kv" not in names)
     floor_bytes["paged_attention_decode"] = floor_bytes.pop("attention_decode")
     rows = []
     for name, entry in per_kernel.items():
@@ -142,10 +139,11 @@ def summarize(config, names: list[str], start, released, step_ns, bandwidth: flo
             "floor_us_per_launch": bytes_per_launch / bandwidth * 1e6 if bytes_per_launch else None,
         })
     rows.sort(key=lambda r: -r["share_us_per_step"])
-    layers = layer_spans(names)
+    layer_begins = names.index("add_rmsnorm_cluster") if "add_rmsnorm_cluster" in names else None  # layer 0's input norm
+    per_layer = (len(names) - 4) // config.num_layers  # but the embedding, the final norm, lm_head and argmax
     one_layer = [{"kernel": names[k], "label": LABELS.get(names[k], names[k]),
                   "share_us": float(np.mean(shares[:, k]) / 1e3), "head_start_us": float(np.mean(head_starts[:, k]) / 1e3)}
-                 for k in range(*layers[0])] if layers else []
+                 for k in range(layer_begins, layer_begins + per_layer)] if layer_begins is not None else []
     clock = np.unique(np.diff(np.sort(released.reshape(-1))))
     return {"rows": rows, "layer_0": one_layer, "step_us": float(np.median(step_ns) / 1e3),
             "shares_sum_us": float(np.median(shares.sum(axis=1)) / 1e3),

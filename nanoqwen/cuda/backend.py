@@ -21,11 +21,8 @@ Decode, one token, every launch on `self.stream` (L = num_layers):
     argmax_select_next (+ top-k and top-p, when the sampler has them)
 
 (add_rmsnorm_cluster spreads the row over a cluster of RMS_CLUSTER blocks; prefill's
-add_rmsnorm takes one block per row. With `norms_in_gemvs` the norms after layer 0's input norm,
-but the final one, run inside the GEMVs around them: o and down add into the residual and store
-its tiles' sums of squares (gemv_int4_*_into_residual), q|k|v and gate+up normalize their own
-input (gemv_int4_*_normalized). With INT8 activations, or `rope_in_qkv` off, q|k|v is the plain
-gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
+add_rmsnorm takes one block per row. With INT8 activations, or `rope_in_qkv` off, q|k|v is
+the plain gemv_int4_from_hidden into a q|k|v buffer and rope_write_kv rotates and stores it.)
 
 The class is assembled from its parts, one module each: weights (upload), step (buffers and one
 step's launches), pipeline (steps fed back to back, tokens read from host memory), prefill
@@ -48,7 +45,7 @@ from .device import fit_gemv_rings, set_carveout, sm_budget
 from .launch import StepKernel
 from .persistent import KERNEL as PERSISTENT_KERNEL, PersistentLayers, persistent_refusal
 from .pipeline import TokenPipeline
-from .plan import GEMV_CARVEOUT_PERCENT, GEMV_FORMS, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
+from .plan import GEMV_CARVEOUT_PERCENT, QKV_ROPE_KERNEL, VERIFY_GEMVS, VERIFY_WIDTHS, block_threads
 from .prefill import Prefill
 from .step import DecodeStep
 from .verify import VerifyPass
@@ -137,16 +134,13 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
                 "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu", "dequantize_int4_to_half",
                 "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
                 *(f"{name}_{width}" for name in VERIFY_GEMVS for width in VERIFY_WIDTHS), "lm_head_logits_rows",
-                "verify_select", PERSISTENT_KERNEL, *GEMV_FORMS,
+                "verify_select", PERSISTENT_KERNEL,
             )
         }
         self.gemv_ring_bytes = {}  # GEMV kernel -> one warp's ring
         for name, percent in GEMV_CARVEOUT_PERCENT.items():
             set_carveout(self.kernels[name], percent)
             self.gemv_ring_bytes[name] = fit_gemv_rings(self.kernels[name], module, name)
-        for form, base in GEMV_FORMS.items():  # a form launches as its base kernel does
-            set_carveout(self.kernels[form], GEMV_CARVEOUT_PERCENT[base])
-            fit_gemv_rings(self.kernels[form], module, base)
         self._init_verify(module)
         self.threads = block_threads(c)
         for name, threads in self.threads.items():
@@ -172,7 +166,6 @@ class CudaBackend(WeightUpload, DecodeStep, TokenPipeline, Prefill, VerifyPass):
         self.use_graph = use_graph
         self._graph = None  # captured at the first graph decode
         self.rope_in_qkv = activations == "fp16"
-        self.norms_in_gemvs = False  # a norm kernel before each GEMV that follows a norm: the recorded form
         self.pdl = pdl
         self.persistent = persistent and self._persistent_layers is not None
         self._device_holds = None  # (token, position, page table) the device state holds for the next step

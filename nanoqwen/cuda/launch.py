@@ -44,7 +44,7 @@ import warnings
 import numpy as np
 
 from ..errors import LaunchError
-from .plan import GEMV_FORMS, VERIFY_GEMVS, VERIFY_WIDTHS
+from .plan import VERIFY_GEMVS, VERIFY_WIDTHS
 
 # Kernels whose every block calls wait_for_previous_kernel() before it reads what an earlier
 # kernel of the step wrote and before it writes anything. Only these may be launched to start
@@ -54,7 +54,6 @@ from .plan import GEMV_FORMS, VERIFY_GEMVS, VERIFY_WIDTHS
 KERNELS_THAT_WAIT = frozenset({
     "embed_tokens", "add_rmsnorm", "add_rmsnorm_cluster", "rope_write_kv", "silu_mul_rows", "lm_head_logits", "argmax_select_next",
     "gemv_int4_from_hidden", "gemv_int4_qkv_rope", "gemv_int4_from_q_dim", "gemv_int4_from_intermediate", "gemv_int4_gate_up_silu",
-    *GEMV_FORMS,
     "paged_attention_decode", "paged_attention_combine", "paged_attention_prefill",
     *(f"{gemv}_{width}" for gemv in VERIFY_GEMVS for width in VERIFY_WIDTHS),
     "lm_head_logits_rows", "verify_select", "decode_layers_persistent",

@@ -34,12 +34,6 @@ MIN_GROUPS_PER_SPLIT = 4  # shorter splits leave most of a warp's copy ring (4-6
 GEMV_KERNELS = {"qkv": "gemv_int4_from_hidden", "o": "gemv_int4_from_q_dim", "down": "gemv_int4_from_intermediate"}
 # Decode's fp16 q|k|v: gemv_int4_from_hidden's work with RoPE and the cache write in its epilogue.
 QKV_ROPE_KERNEL = "gemv_int4_qkv_rope"
-# The GEMVs around a decode norm, when the norm runs inside them (kernels/gemv_int4.cu, "the norm
-# inside the GEMVs"): each form -> the kernel whose work, ring, warps and carve-out it has.
-GEMV_FORMS = {"gemv_int4_qkv_rope_normalized": QKV_ROPE_KERNEL,
-              "gemv_int4_gate_up_silu_normalized": "gemv_int4_gate_up_silu",
-              "gemv_int4_from_q_dim_into_residual": "gemv_int4_from_q_dim",
-              "gemv_int4_from_intermediate_into_residual": "gemv_int4_from_intermediate"}
 # Each GEMV's preferred shared-memory carve-out, in percent of each SM's capacity (-1 leaves the
 # driver's choice). An SM can change its split of L1 and shared memory only when it is empty, so
 # the GEMVs, whose blocks start early beside the kernel before them, all ask for the whole

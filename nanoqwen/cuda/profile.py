@@ -17,7 +17,6 @@ import numpy as np
 
 from .graph import DecodeGraph, capture
 from .launch import driver_module
-from .plan import GEMV_FORMS, GEMV_KERNELS
 from .timing import gpu_ms
 
 EMPTY_KERNEL = r"""
@@ -178,19 +177,6 @@ def prompted_backend(model, prompt_tokens: int = STEP_PROMPT_TOKENS):
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_tokens).astype(np.int32)
     backend.prefill(prompt, 0, page_table)
     return backend, page_table
-
-
-# The kernels that end a decode layer: down, as the plain GEMV, its forms (plan.GEMV_FORMS) or Path A's
-DOWN_KERNELS = (GEMV_KERNELS["down"], *(form for form, base in GEMV_FORMS.items() if base == GEMV_KERNELS["down"]),
-                "gemv_int4_int8_intermediate")
-
-
-def layer_spans(names: list[str]) -> list[tuple[int, int]]:
-    """(first, last + 1) launch indices of each layer in a decode step's kernel names (step_launch_names):
-    a layer runs from the launch after the previous layer's down (after the embedding, for layer 0)
-    to its own down, its input norm first where that is a kernel."""
-    downs = [k for k, name in enumerate(names) if name in DOWN_KERNELS]
-    return list(zip([1] + [k + 1 for k in downs[:-1]], [k + 1 for k in downs]))
 
 
 def step_launch_names(backend) -> list[str]:

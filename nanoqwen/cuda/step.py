@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant import TILE_ROWS
 from ..sampling import GREEDY
 from .abi import (
     ARGMAX_THREADS,
@@ -24,7 +23,7 @@ from .abi import (
     STATE_TOKEN,
 )
 from .device import NULL, mapped_host_array, persistent_blocks
-from .plan import GEMV_FORMS, GEMV_KERNELS, QKV_ROPE_KERNEL, gemv_launch
+from .plan import GEMV_KERNELS, QKV_ROPE_KERNEL, gemv_launch
 from .sampler import sampler_settings
 from .weights import DeviceLinear
 
@@ -82,8 +81,6 @@ class DecodeStep:
         self.mlp_hidden = cp.empty(c.intermediate_size, dtype=cp.float16)
         self.gate_up_out = cp.empty(2 * c.intermediate_size, dtype=cp.float32) if self.activations == "int8" else None
         self.down_out = cp.empty(c.hidden_size, dtype=cp.float32)
-        # With norms_in_gemvs: each 16-row tile's sum of squares of the residual, from o and down
-        self.tile_square_sums = cp.empty(c.hidden_size // TILE_ROWS, dtype=cp.float32)
         self.logits = cp.empty(c.vocab_size, dtype=cp.float32)
         # A step that leaves its draw to the host copies its logits to row position % HEAD_SLOTS.
         self.handed_back = cp.empty((HEAD_SLOTS, c.vocab_size), dtype=cp.float32)
@@ -102,29 +99,14 @@ class DecodeStep:
             (rows * blocks_per_row,), (self.threads[kernel],), (residual, NULL if delta is None else delta, weight, out),
         )
 
-    def _launch_gemv(self, kernel: str, linear: DeviceLinear, args: tuple) -> None:
-        """GEMV `kernel` (or a form of one, plan.GEMV_FORMS) of `linear` with `args`, in the launch
-        geometry of its kernel's rows, splits and ring."""
-        base = GEMV_FORMS.get(kernel, kernel)
-        rows = linear.out_features // 2 if base == "gemv_int4_gate_up_silu" else linear.out_features
-        grid, block, shared_mem = gemv_launch(base, rows, linear.splits, self.gemv_ring_bytes[base])
-        self.kernels[kernel](grid, block, args, shared_mem=shared_mem)
-
     def _gemv(self, kernel: str, linear: DeviceLinear, x, y) -> None:
-        self._launch_gemv(kernel, linear, (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias,
-                                           x, y, np.int32(linear.out_features)))
-
-    def _gemv_into_residual(self, layer: int, name: str, x) -> None:
-        """residual += projection `name` ("o" or "down") of x, and the tiles' sums of squares of
-        the updated residual into tile_square_sums (gemv_int4_*_into_residual)."""
-        linear = getattr(self.layers[layer], name)
-        self._launch_gemv(GEMV_KERNELS[name] + "_into_residual", linear,
-                          (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x,
-                           self.residual, self.tile_square_sums))
-
-    def _normalized_input(self, weight) -> tuple:
-        """The arguments by which a GEMV after a norm computes its x = norm(residual) * weight."""
-        return self.residual, weight, self.tile_square_sums
+        grid, block, shared_mem = gemv_launch(kernel, linear.out_features, linear.splits, self.gemv_ring_bytes[kernel])
+        self.kernels[kernel](
+            grid, block,
+            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, x, y,
+             np.int32(linear.out_features)),
+            shared_mem=shared_mem,
+        )
 
     def _rope_write_kv(self, qkv, positions_base, layer: int, q_out, num_tokens: int) -> None:
         c = self.config
@@ -133,17 +115,17 @@ class DecodeStep:
             (qkv, positions_base, self.inv_freq, self.page_table, self._kv_layers[layer], q_out),
         )
 
-    def _qkv_rope(self, layer: int, normalized: bool = False) -> None:
-        """Decode's q|k|v of `normed` (`normalized`: of the residual, normalized by the GEMV
-        itself), RoPE'd: q into `q`, K and V into the layer's cache at the step's position
-        (gemv_int4_qkv_rope, gemv_int4_qkv_rope_normalized)."""
-        w = self.layers[layer]
-        linear = w.qkv
-        x = self._normalized_input(w.input_norm) if normalized else (self.normed,)
-        self._launch_gemv(
-            QKV_ROPE_KERNEL + ("_normalized" if normalized else ""), linear,
-            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, *x, self.position,
+    def _qkv_rope(self, layer: int) -> None:
+        """Decode's q|k|v of `normed`, RoPE'd: q into `q`, K and V into the layer's cache at the
+        step's position (gemv_int4_qkv_rope)."""
+        linear = self.layers[layer].qkv
+        grid, block, shared_mem = gemv_launch(QKV_ROPE_KERNEL, linear.out_features, linear.splits,
+                                              self.gemv_ring_bytes[QKV_ROPE_KERNEL])
+        self.kernels[QKV_ROPE_KERNEL](
+            grid, block,
+            (linear.qweight, linear.scales, NULL if linear.bias is None else linear.bias, self.normed, self.position,
              self.inv_freq, self.page_table, self._kv_layers[layer], self.q),
+            shared_mem=shared_mem,
         )
 
     def _lm_head(self, choose: bool) -> None:
@@ -166,14 +148,15 @@ class DecodeStep:
         else:
             self.int8_layers[layer][name](x, y)
 
-    def _mlp_hidden(self, layer: int, normalized: bool = False) -> None:
-        """silu(gate) * up of the normalised residual, fp16, into mlp_hidden: of `normed`, or with
-        `normalized` (fp16 only) of the residual, normalized by the gate+up GEMV itself."""
+    def _mlp_hidden(self, layer: int) -> None:
+        """silu(gate) * up of the normalised residual, fp16, into mlp_hidden."""
         c, w = self.config, self.layers[layer]
         if self.int8_layers is None:  # Path B fuses SwiGLU into the gate+up GEMV
-            x = self._normalized_input(w.post_norm) if normalized else (self.normed,)
-            self._launch_gemv("gemv_int4_gate_up_silu" + ("_normalized" if normalized else ""), w.gate_up,
-                              (w.gate_up.qweight, w.gate_up.scales, *x, self.mlp_hidden))
+            grid, block, shared_mem = gemv_launch("gemv_int4_gate_up_silu", c.intermediate_size, w.gate_up.splits,
+                                                 self.gemv_ring_bytes["gemv_int4_gate_up_silu"])
+            self.kernels["gemv_int4_gate_up_silu"](
+                grid, block, (w.gate_up.qweight, w.gate_up.scales, self.normed, self.mlp_hidden), shared_mem=shared_mem,
+            )
             return
         self.int8_layers[layer]["gate_up"](self.normed, self.gate_up_out)
         self.kernels["silu_mul_rows"]((self._elementwise_blocks(c.intermediate_size),), (ELEMENTWISE_THREADS,), (self.gate_up_out, self.mlp_hidden, np.int32(1)))
@@ -187,11 +170,8 @@ class DecodeStep:
         attention = getattr(self.attention, "launches_per_decode", 1)
         # Path B: norm, q|k|v (+ RoPE unless rope_in_qkv is off), o, norm, gate+up, down; Path A
         # adds a quantize launch per projection and SwiGLU apart
-        layers = self.config.num_layers
         per_layer = (6 if self.rope_in_qkv else 7) if self.activations == "fp16" else 12
-        # norms_in_gemvs: every post-attention norm, and the input norms after layer 0 where q|k|v has RoPE's form
-        norms_inside = (layers + (layers - 1 if self.rope_in_qkv else 0)) if self.norms_in_gemvs else 0
-        return 1 + layers * (per_layer + attention) + 3 - norms_inside
+        return 1 + self.config.num_layers * (per_layer + attention) + 3
 
     def decode_step_launches(self, stream) -> int:
         """Issue one decode step on `stream` from the inputs in `state`; returns the launch count.
@@ -216,38 +196,24 @@ class DecodeStep:
         return self.launches_per_token
 
     def _layer_launches(self, stream) -> None:
-        """The layers and the final norm, a kernel per operation: residual (the embedding) in, normed out.
-
-        With norms_in_gemvs, o and down add into the residual themselves and the GEMVs after them
-        normalize their own input (kernels/gemv_int4.cu, "the norm inside the GEMVs"): the norm
-        kernels left are layer 0's, which normalizes the embedding, the final one, and each input
-        norm where q|k|v has no RoPE form."""
-        inside = self.norms_in_gemvs
+        """The layers and the final norm, a kernel per operation: residual (the embedding) in, normed out."""
         with stream:
-            delta = None  # what the next norm adds first: nothing to the embedding, or down's output
+            down = None  # layer 0 normalises the embedding as it is
             for i, layer in enumerate(self.layers):
-                input_norm_inside = inside and self.rope_in_qkv and i > 0
-                if not input_norm_inside:
-                    self._add_rmsnorm(self.residual, delta, layer.input_norm, self.normed, 1, cluster=True)
+                self._add_rmsnorm(self.residual, down, layer.input_norm, self.normed, 1, cluster=True)
                 if self.rope_in_qkv:
-                    self._qkv_rope(i, normalized=input_norm_inside)
+                    self._qkv_rope(i)
                 else:
                     self._project(i, "qkv", self.normed, self.qkv_out)
                     self._rope_write_kv(self.qkv_out, self.position, i, self.q, 1)
                 self.attention.decode(self.q, self._kv_layers[i], self.page_table, self.seq_len, self.attn_out,
                                       stream=stream)
-                if inside:
-                    self._gemv_into_residual(i, "o", self.attn_out)
-                else:
-                    self._project(i, "o", self.attn_out, self.o_out)
-                    self._add_rmsnorm(self.residual, self.o_out, layer.post_norm, self.normed, 1, cluster=True)
-                self._mlp_hidden(i, normalized=inside)
-                if inside:
-                    self._gemv_into_residual(i, "down", self.mlp_hidden)
-                else:
-                    self._project(i, "down", self.mlp_hidden, self.down_out)
-                delta = None if inside else self.down_out
-            self._add_rmsnorm(self.residual, delta, self.final_norm, self.normed, 1, cluster=True)
+                self._project(i, "o", self.attn_out, self.o_out)
+                self._add_rmsnorm(self.residual, self.o_out, layer.post_norm, self.normed, 1, cluster=True)
+                self._mlp_hidden(i)
+                self._project(i, "down", self.mlp_hidden, self.down_out)
+                down = self.down_out
+            self._add_rmsnorm(self.residual, down, self.final_norm, self.normed, 1, cluster=True)
 
     def decode_graph(self):
         """The decode step as a CUDA graph, captured on first use (nanoqwen.cuda.graph)."""
@@ -272,12 +238,3 @@ class DecodeStep:
         "activations, which only have that form. Both write the same bits (tests/test_kernels_cuda.py).",
         allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
         refusal="rope_in_qkv needs fp16 activations: the INT8 path quantizes x for its own q|k|v GEMV")
-
-    norms_in_gemvs = GraphOption(
-        "Whether decode's norms run inside the GEMVs around them (off by default): o and down add into the "
-        "residual and sum its squares per tile, q|k|v and gate+up normalize their own input "
-        "(kernels/gemv_int4.cu, \"the norm inside the GEMVs\"), so each layer after the first launches two "
-        "norm kernels fewer; off, a norm kernel runs before each, the form results/ records. Both compute the "
-        "same bits (tests/test_kernels_cuda.py).",
-        allowed=lambda backend, enabled: not enabled or backend.activations == "fp16",
-        refusal="norms_in_gemvs needs fp16 activations: the INT8 path quantizes each projection's input itself")
