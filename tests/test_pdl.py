@@ -467,14 +467,14 @@ def test_every_kernel_of_a_step_writes_the_same_bits_with_and_without_pdl(pdl_av
 
 LATE_WRITER = r"""
 extern "C" __global__ void write_late(const unsigned* q_source, unsigned* q, int q_words, const unsigned* kv_source,
-                                      unsigned* kv, long long kv_words, long long delay_ns) {
+                                      unsigned* kv, const long long* kv_words, int kv_word_count, long long delay_ns) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start now
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < (unsigned long long)delay_ns);
-  const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = first; i < q_words; i += stride) q[i] = q_source[i];
-  for (long long i = first; i < kv_words; i += stride) kv[i] = kv_source[i];
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  for (int i = first; i < q_words; i += stride) q[i] = q_source[i];
+  for (int i = first; i < kv_word_count; i += stride) kv[kv_words[i]] = kv_source[kv_words[i]];
 }
 """
 
@@ -483,9 +483,11 @@ extern "C" __global__ void write_late(const unsigned* q_source, unsigned* q, int
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_attention_started_early_waits_for_its_inputs(pdl_available, splits, graph):
-    """A kernel that lets attention launch at once, then, 50 us later, writes q and the whole
-    KV layer over NaN: attention must wait for it (its loads and its bulk copies). 37 positions
-    end in a page holding 5 rows; 3 splits make the combine kernel run too."""
+    """A kernel that lets attention launch at once, then, 50 us later, writes q and the new
+    token's K and V rows over NaN, as rope_write_kv does in a step: attention must wait for them
+    (its loads, and its bulk copies of the tail page). The pages wholly before the new token are
+    in place beforehand, as earlier steps leave them: the kernel may request those before its
+    wait. 37 positions end in a page holding 5 rows; 3 splits make the combine kernel run too."""
     import cupy as cp
 
     from nanoqwen.reference import ops
@@ -507,15 +509,20 @@ def test_attention_started_early_waits_for_its_inputs(pdl_available, splits, gra
     table_d = cp.full(256 // PAGE_SIZE, -1, dtype=cp.int32)
     table_d[: len(table)] = cp.asarray(table)
     q_source, kv_source = cp.asarray(q), cp.asarray(pool[0])
-    q_d, kv = cp.full_like(q_source, np.nan), cp.full_like(kv_source, np.nan)
+    # The new token's rows: position seq_len - 1 of every KV head's K and V slice in the tail page.
+    new_rows = np.zeros(pool[0].shape, dtype=bool)
+    new_rows[table[-1], :, :, (seq_len - 1) % PAGE_SIZE, :] = True
+    new_words = cp.asarray(np.flatnonzero(new_rows.reshape(-1, 2).all(axis=1)).astype(np.int64))
+    q_d, kv = cp.full_like(q_source, np.nan), kv_source.copy()
+    kv.view(cp.uint32).reshape(-1)[new_words] = np.uint32(0x7E007E00)  # fp16 NaN pairs
     out = cp.full(config.q_dim, np.nan, cp.float16)
     seq_len_d = cp.asarray(np.array([seq_len], np.int32))
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
 
     def issue():
-        write_late((8,), (256,), (q_source, q_d, np.int32(q_d.size), kv_source, kv, np.int64(kv.nbytes // 4),
-                                  np.int64(50_000)))
+        write_late((8,), (256,), (q_source, q_d, np.int32(q_d.size), kv_source, kv, new_words,
+                                  np.int32(new_words.size), np.int64(50_000)))
         attention.decode(q_d, kv, table_d, seq_len_d, out, stream=stream)
 
     with stream, programmatic_launches() as active:
