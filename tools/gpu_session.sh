@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...
 case "${1:-checks}" in
   tests)
     # shellcheck disable=SC2086
-    step "GPU tests" 300 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
+    step "GPU tests" 380 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
     step "attention kernels" 200 python3 tools/gpu_check_attention.py
     ;;
   checks)
