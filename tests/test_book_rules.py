@@ -7,6 +7,9 @@
   kernels/, nanoqwen/, tools/, results/, README.md and ARCHITECTURE.md;
 * a record the product or its tests cite by file name under results/ exists: results/ holds what the book,
   README and ARCHITECTURE cite, and a record that goes takes its citations with it;
+* a listing a page includes from the code (`literalinclude`) names a file that exists and markers
+  (`start-at`, `start-after`, `end-before`, `end-at`) that file holds, so that a renamed line
+  fails here, in seconds, instead of in the book's build;
 * rendered output is part of the page: no warning, traceback or local path in the output of a
   code cell of `_build/html/chapters/*.html` (skipped when the book has not been built).
 
@@ -207,6 +210,34 @@ def test_rendered_output_is_clean():
     assert not problems, "cell outputs that do not belong on a page:\n" + "\n".join(problems)
 
 
+LITERALINCLUDE = re.compile(r"^```\{literalinclude\} (\S+)\n((?::[\w-]+:.*\n)*)", re.MULTILINE)
+INCLUDE_MARKER = re.compile(r"^:(start-at|start-after|end-before|end-at): (.*)$", re.MULTILINE)
+
+
+def include_problems(page: Path) -> list[str]:
+    """The literalincludes of `page` whose file is missing or does not hold one of their markers."""
+    problems = []
+    for include in LITERALINCLUDE.finditer(page.read_text(encoding="utf-8")):
+        source = page.parent / include.group(1)
+        if not source.is_file():
+            problems.append(f"{page.name}: {include.group(1)} does not exist")
+            continue
+        code = source.read_text(encoding="utf-8")
+        for option, marker in INCLUDE_MARKER.findall(include.group(2)):
+            marker = marker.strip()
+            if len(marker) > 1 and marker[0] == marker[-1] and marker[0] in "\"'":
+                marker = marker[1:-1]  # MyST reads a quoted value without its quotes
+            if marker not in code:
+                problems.append(f"{page.name}: {option} {marker!r} is not in {include.group(1)}")
+    return problems
+
+
+def test_every_included_listing_is_found():
+    pages = [*CHAPTERS, *sorted((REPO / "book").glob("*.md"))]
+    problems = [problem for page in pages for problem in include_problems(page)]
+    assert not problems, "listings the book's build would not find:\n" + "\n".join(problems)
+
+
 # --------------------------------------------------------------------------- the rules' own checks
 
 
@@ -231,6 +262,14 @@ def test_the_rules_catch_what_they_should():
     assert len(parser.outputs) == 1 and "TqdmWarning" in parser.outputs[0] and "def f()" in parser.outputs[0]
     assert "Prose" not in parser.outputs[0] and "Generic.Traceback" not in parser.outputs[0]
     assert not BAD_OUTPUT.search("import warnings")  # cell input is not output
+
+
+def test_the_include_rule_catches_a_missing_marker(tmp_path):
+    (tmp_path / "k.cu").write_text("// # the header\nint a;\nint b;\n")
+    page = tmp_path / "p.md"
+    page.write_text("```{literalinclude} k.cu\n:start-at: \"// # the header\"\n:end-before: int c;\n```\n"
+                    "```{literalinclude} gone.cu\n```\n")
+    assert include_problems(page) == ["p.md: end-before 'int c;' is not in k.cu", "p.md: gone.cu does not exist"]
 
 
 if __name__ == "__main__":  # check the pages of a single-page or full build: python tests/test_book_rules.py DIR...
