@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from .errors import ConfigError
 
@@ -51,10 +52,11 @@ def rope_theta_of(hf: dict) -> float:
     return next(iter(thetas.values()), 10000.0)
 
 
-def sliding_window_layers(hf: dict) -> list[int]:
+def sliding_window_layers(hf: dict) -> Sequence[int]:
     """The layers a config.json gives a sliding window, as transformers' Qwen2 reads it: none unless
     use_sliding_window and a sliding_window are set; then those `layer_types` calls
-    'sliding_attention', by default the layers from max_window_layers (28) on."""
+    'sliding_attention', by default the layers from max_window_layers (28) on (a range, so that a
+    config.json claiming billions of layers costs nothing here)."""
     if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
         return []
     layer_types = hf.get("layer_types")
@@ -64,7 +66,7 @@ def sliding_window_layers(hf: dict) -> list[int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, layers)):
         raise ConfigError(f"use_sliding_window is set with max_window_layers={first!r:.40} and "
                           f"num_hidden_layers={layers!r:.40}; both must be integers")
-    return list(range(first, layers))
+    return range(first, layers)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class ModelConfig:
         sliding = sliding_window_layers(hf)
         if sliding:
             raise ConfigError(f"sliding-window attention is not supported (use_sliding_window, and layers "
-                              f"{sliding[:8]} of type 'sliding_attention')")
+                              f"{list(sliding[:8])} of type 'sliding_attention')")
         hidden_act = hf.get("hidden_act", HIDDEN_ACT)
         if hidden_act not in (HIDDEN_ACT, "swish"):  # transformers' two names of x * sigmoid(x)
             raise ConfigError(f"hidden_act is {hidden_act!r:.80}; nanoqwen runs only {HIDDEN_ACT!r} MLPs (silu(gate) * up)")
