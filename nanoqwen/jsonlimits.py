@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["JSONLimitError", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_json_size", "json_nesting_depth",
-           "parse_json", "read_json_file"]
+__all__ = ["JSONLimitError", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "RepeatedKeyError", "check_json_size",
+           "json_nesting_depth", "parse_json", "read_json_file"]
 
 # Hugging Face files nest at most 6 levels (tokenizer.json's normalizer sequences); 32 leaves
 # room and keeps any later recursion over the value far below Python's limit of ~1000 frames.
@@ -34,6 +34,11 @@ MAX_JSON_BYTES = 64 * 2**20
 
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # brackets inside strings do not nest
 _NOT_A_BRACKET = re.compile(r"[^\[\]{}]")
+
+
+class RepeatedKeyError(ValueError):
+    """An object of JSON read with `unique_keys` that names one key twice; the message is a phrase
+    that follows the file's name."""
 
 
 class JSONLimitError(ValueError):
@@ -51,7 +56,7 @@ def read_json_file(path: Path) -> bytes:
     """The bytes of `path`, refused with JSONLimitError before reading when it is too large, or
     no regular file (reading a FIFO would wait for a writer for ever)."""
     if not path.is_file():
-        raise JSONLimitError("is not a regular file (a FIFO, device or socket)")
+        raise JSONLimitError("is not a regular file (a folder, FIFO, device or socket)")
     check_json_size(path.stat().st_size)
     return path.read_bytes()
 
@@ -64,16 +69,27 @@ def json_nesting_depth(text: str) -> int:
     return int(np.cumsum(steps).max()) if steps.size else 0
 
 
-def parse_json(data: bytes):
-    """The value of the UTF-8 JSON `data`, within MAX_JSON_BYTES and MAX_JSON_DEPTH.
+def _object_without_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise RepeatedKeyError(f"names {repeated!r:.80} more than once in one object")
+    return obj
 
-    Raises ValueError naming the problem: UnicodeDecodeError, json.JSONDecodeError, or
-    JSONLimitError.
+
+def parse_json(data: bytes, unique_keys: bool = False):
+    """The value of the UTF-8 JSON `data`, within MAX_JSON_BYTES and MAX_JSON_DEPTH. With
+    `unique_keys`, an object that repeats a key is refused (json.loads keeps the last of them,
+    a reader in another language may keep the first).
+
+    Raises ValueError naming the problem: UnicodeDecodeError, json.JSONDecodeError, RepeatedKeyError
+    or JSONLimitError.
     """
     check_json_size(len(data))
     text = data.decode("utf-8")
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_object_without_repeated_keys if unique_keys else None)
     except RecursionError:
         raise JSONLimitError(f"nested more than the {MAX_JSON_DEPTH} levels of JSON nanoqwen reads") from None
     depth = json_nesting_depth(text)

@@ -14,10 +14,32 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .jsonlimits import JSONLimitError, check_json_size, parse_json, read_json_file
+from .jsonlimits import JSONLimitError, RepeatedKeyError, check_json_size, parse_json, read_json_file
 
 _NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The .safetensors files of a checkpoint folder, chosen as transformers chooses them:
+    model.safetensors alone where it exists (a stale index beside it is not read), else the shards
+    model.safetensors.index.json names, else every .safetensors file in the folder."""
+    if (directory / SINGLE_FILE).exists():
+        return [SINGLE_FILE]
+    index = directory / INDEX_FILE
+    if index.exists():
+        files = sorted(set(_read_index(index)))
+        if not files:
+            raise CheckpointError(f"{index}: 'weight_map' names no shard")
+        return files
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no .safetensors files (and no {INDEX_FILE})")
+    return files
 
 
 class SafetensorsCheckpoint:
@@ -25,20 +47,13 @@ class SafetensorsCheckpoint:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(_read_index(index)))
-        else:
-            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.directory}: no .safetensors files (and no model.safetensors.index.json)")
         self.entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
-        for file_name in files:
+        for file_name in checkpoint_files(self.directory):
             path = self.directory / file_name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard named in the index is missing")
             if not path.is_file():  # a FIFO would wait for a writer for ever
-                raise CheckpointError(f"{path}: is not a regular file (a FIFO, device or socket)")
+                raise CheckpointError(f"{path}: is not a regular file (a folder, FIFO, device or socket)")
             header = _read_header(path)
             twice = sorted(header.keys() & self.entries.keys())  # which copy a loader takes is its own choice
             if twice:
@@ -114,6 +129,8 @@ def _read_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int,
 
     Every length and offset is checked against the file's size before it is used, so a corrupt
     header can neither make us allocate its claimed length nor point a tensor outside the file.
+    As the safetensors library requires, no name appears twice and the tensors' byte ranges tile
+    the data exactly: from its first byte to its last, none overlapping another, no byte left over.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -125,8 +142,8 @@ def _read_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int,
             raise CheckpointError(f"{path}: header length {header_len} exceeds the file's {size - 8} bytes after it")
         try:
             check_json_size(header_len)
-            header = parse_json(f.read(header_len))
-        except JSONLimitError as e:
+            header = parse_json(f.read(header_len), unique_keys=True)
+        except (JSONLimitError, RepeatedKeyError) as e:
             raise CheckpointError(f"{path}: header {e}") from None
         except ValueError as e:  # invalid JSON or UTF-8
             raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
@@ -149,4 +166,12 @@ def _read_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int,
         if not start <= end <= data_bytes:
             raise CheckpointError(f"{path}: tensor {name!r} bytes [{start}, {end}) lie outside the {data_bytes}-byte data")
         entries[name] = (path, dtype, tuple(shape), base + start, end - start)
+    covered = 0
+    for name, (*_, offset, nbytes) in sorted(entries.items(), key=lambda item: (item[1][3], item[1][4])):
+        if offset - base != covered:
+            what = "overlap the tensor before them" if offset - base < covered else f"leave bytes [{covered}, {offset - base}) unused"
+            raise CheckpointError(f"{path}: the bytes [{offset - base}, {offset - base + nbytes}) of tensor {name!r} {what}")
+        covered += nbytes
+    if covered != data_bytes:
+        raise CheckpointError(f"{path}: the tensors' bytes end at {covered}, the file's data at {data_bytes}")
     return entries

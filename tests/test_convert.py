@@ -211,8 +211,11 @@ def test_refuses_missing_config_and_missing_weights(checkpoints, tmp_path):
 
 
 def test_refuses_a_tensor_stored_in_two_files(checkpoints, tmp_path):
+    """A folder without model.safetensors or an index is read whole: which of two copies counts
+    would be a guess."""
     directory = copy_checkpoint(checkpoints, tmp_path)
-    norm = safetensors_numpy.load_file(directory / "model.safetensors")["model.norm.weight"]
+    (directory / "model.safetensors").rename(directory / "weights.safetensors")
+    norm = safetensors_numpy.load_file(directory / "weights.safetensors")["model.norm.weight"]
     safetensors_numpy.save_file({"model.norm.weight": norm + 1}, directory / "patch.safetensors")
     with pytest.raises(CheckpointError, match="'model.norm.weight' is stored twice"):
         convert(str(directory), tmp_path / "m.nanoqwen", progress=False)

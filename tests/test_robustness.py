@@ -479,6 +479,14 @@ BAD_SAFETENSORS = [
     (safetensors_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}), "outside"),
     (safetensors_bytes(b'{"w":' * 5000 + b"1" + b"}" * 5000), "header nested more than the 32 levels of JSON"),
     (safetensors_bytes({"w": {"dtype": "F32", "shape": [[[[[[[[2]]]]]]]] * 5, "data_offsets": [0, 16]}}), "'w' has a malformed"),
+    # json.loads keeps the last of two equal names, the safetensors library refuses the file
+    (safetensors_bytes(b'{"w": ' + json.dumps(GOOD_ENTRY).encode() + b', "w": ' + json.dumps(GOOD_ENTRY).encode() + b"}"),
+     "header names 'w' more than once"),
+    # the byte ranges must tile the data, as the safetensors library requires
+    (safetensors_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}), r"bytes \[4, 12\) of tensor 'b' overlap"),
+    (safetensors_bytes({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}), r"leave bytes \[0, 8\) unused"),
+    (safetensors_bytes({"w": GOOD_ENTRY}, b"\0" * 20), "the tensors' bytes end at 16, the file's data at 20"),
 ]
 
 
@@ -508,6 +516,7 @@ def test_oversized_safetensors_header_and_index_are_refused_before_reading(tmp_p
     (tmp_path / "model.safetensors").write_bytes(safetensors_bytes({"w": GOOD_ENTRY, "pad": "x" * 100}))
     with pytest.raises(CheckpointError, match=r"header holds 1\d\d bytes, more than the 100 bytes of JSON"):
         SafetensorsCheckpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # else it is read, as transformers reads it, and the index is not
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "x" * 100}}))
     with pytest.raises(CheckpointError, match="index.json: not a safetensors index.*more than the 100 bytes of JSON"):
         SafetensorsCheckpoint(tmp_path)
@@ -522,7 +531,21 @@ def test_valid_safetensors_still_reads(tmp_path):
     np.testing.assert_array_equal(SafetensorsCheckpoint(tmp_path).read("w", (2, 2)), values.reshape(2, 2))
 
 
+def test_model_safetensors_is_read_ahead_of_an_index_beside_it(tmp_path):
+    """transformers loads model.safetensors where the folder has one, whatever index lies beside
+    it; the index's shards (here missing, and holding other values) are not read."""
+    from nanoqwen.safetensors_reader import SafetensorsCheckpoint
+
+    values = np.arange(4, dtype=np.float32)
+    (tmp_path / "model.safetensors").write_bytes(safetensors_bytes({"w": GOOD_ENTRY}, values.tobytes()))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    (tmp_path / "other.safetensors").write_bytes(safetensors_bytes({"w": GOOD_ENTRY}, (values + 1).tobytes()))
+    np.testing.assert_array_equal(SafetensorsCheckpoint(tmp_path).read("w", (2, 2)), values.reshape(2, 2))
+
+
 @pytest.mark.parametrize("index, match", [
+    ('{"weight_map": {}}', "'weight_map' names no shard"),
+    ('{"weight_map": {"w": ".."}}', r"\.\.: is not a regular file \(a folder"),
     ("{oops", "model.safetensors.index.json: not a safetensors index"),
     ('{"metadata": {}}', "not a safetensors index with a 'weight_map'"),
     ('{"weight_map": ["a.safetensors"]}', "'weight_map' must map"),
