@@ -103,6 +103,8 @@ def read_tokenizer(directory: Path, vocab_size: int) -> dict[str, bytes]:
                 files[name] = read_json_file(path)
             except JSONLimitError as e:
                 raise CheckpointError(f"{path}: {e}") from None
+            if not files[name]:
+                raise CheckpointError(f"{path}: is empty; remove it, or give it what transformers saves there")
     tokenizer = Tokenizer.from_checkpoint_files(files, directory)
     if tokenizer is not None:
         if tokenizer.largest_token_id >= vocab_size:

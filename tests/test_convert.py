@@ -372,6 +372,8 @@ def test_a_layer_index_in_another_script_is_no_layer(checkpoints, tmp_path):
         ("tokenizer_config.json", b'{"chat_template": "{% for %}"}', "tokenizer_config.json: the tokenizer's chat template failed"),
         ("chat_template.jinja", b"{% for %}", "chat_template.jinja: the tokenizer's chat template failed"),
         ("chat_template.jinja", b"\xff", "chat_template.jinja: not UTF-8"),
+        ("chat_template.jinja", b"", "chat_template.jinja: is empty"),
+        ("tokenizer_config.json", b"", "tokenizer_config.json: is empty"),
         ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token must be a string"),
         ("tokenizer_config.json", b'{"a":' * 100 + b"1" + b"}" * 100, "tokenizer_config.json: nested 100 levels deep"),
     ],
