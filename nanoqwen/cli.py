@@ -304,7 +304,16 @@ def run_chat(args: argparse.Namespace) -> int:
         raise GenerationError(f"{engine.model.path} carries no tokenizer, so it cannot chat")
     engine.check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                           args.speculate)  # once, not at every turn
+    if args.system:
+        from .tokenizer import check_unicode
+
+        check_unicode(args.system, "--system")
     opening = [{"role": "system", "content": args.system}] if args.system else []
+    first_turn = len(engine.encode_prompt(opening + [{"role": "user", "content": ""}], chat=True))
+    if first_turn + args.max_new_tokens > engine.max_context:
+        raise GenerationError(f"--max-new-tokens {args.max_new_tokens} and the chat template's {first_turn} tokens around "
+                              f"a first message leave it no room in the context of {engine.max_context} tokens: "
+                              "lower --max-new-tokens or raise --max-context")
     history = list(opening)
     print(f"chatting with {engine.model.path.name} on {engine.backend.name}; /exit to leave, /reset to forget")
     while True:

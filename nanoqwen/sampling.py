@@ -33,6 +33,13 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _exact(x):
+    """`x` as a number that compares with a Python float bound as written: numpy's floats as
+    Python floats (numpy would cast the bound to x's type, and 1e30 overflows fp16), Python's
+    integers as they are (any size compares exactly; float() of a huge one overflows)."""
+    return float(x) if isinstance(x, np.floating) else x
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy (argmax); top_k 0 and top_p 1 switch those filters off.
@@ -48,12 +55,12 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 <= t <= MAX_TEMPERATURE:
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 <= _exact(t) <= MAX_TEMPERATURE:
             raise GenerationError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise GenerationError(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 < p <= 1:
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 < _exact(p) <= 1:
             raise GenerationError(f"top_p must be a number in (0, 1] (1 = no nucleus filter), got {p!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise GenerationError(f"seed must be None or an integer >= 0, got {self.seed!r}")

@@ -185,13 +185,18 @@ def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path)
     lines = iter(["a question far too long for the context", "still here?", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     seen.clear()
-    status, _, stderr = run(capsys, "chat", model_path, "--max-new-tokens", 1020, "--backend", "numpy")
+    engine = Engine(model_path, backend="numpy")
+    room = engine.max_context - len(engine.encode_prompt([{"role": "user", "content": "still here?"}], chat=True))
+    engine.close()
+    status, _, stderr = run(capsys, "chat", model_path, "--max-new-tokens", room, "--backend", "numpy")
     assert status == 0 and "exceeds" in stderr
     assert [m["content"] for m in seen[-1]] == ["still here?"]  # the failed turn left no trace
 
 
 @pytest.mark.parametrize("option, value, message", [("--temperature", -1, "temperature must be"),
-                                                    ("--max-new-tokens", 0, "max_new_tokens must be")])
+                                                    ("--max-new-tokens", 0, "max_new_tokens must be"),
+                                                    ("--max-new-tokens", 4096, "leave it no room in the context"),
+                                                    ("--system", "caf\udce9", "--system is not valid Unicode")])
 def test_chat_refuses_bad_settings_before_the_first_turn(capsys, monkeypatch, model_path, option, value, message):
     monkeypatch.setattr("builtins.input", lambda prompt="": pytest.fail("asked for a turn it could never answer"))
     status, stdout, stderr = run(capsys, "chat", model_path, option, value, "--backend", "numpy")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -142,6 +144,16 @@ def test_numpy_integer_arguments_become_python_numbers():
     for bad in (dict(top_k=np.int64(-1)), dict(seed=np.int8(-2)), dict(top_k=np.float64(2)), dict(seed=np.bool_(True))):
         with pytest.raises(GenerationError):
             SamplingParams(**bad)
+
+
+def test_fp16_and_huge_integer_settings_are_checked_without_numpy_warnings():
+    """The bound 1e30 is compared as a Python float: cast to fp16 it would overflow, with a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SamplingParams(temperature=np.float16(1)).temperature == 1.0
+        for bad in (dict(temperature=np.float16("inf")), dict(temperature=10**400), dict(top_p=10**400)):
+            with pytest.raises(GenerationError):
+                SamplingParams(**bad)
 
 
 def test_infinite_logits_raise():
