@@ -25,7 +25,8 @@ from .jsonlimits import JSONLimitError, parse_json, read_json_file
 from .loader import TOKENIZER_PREFIX
 from .quant import quantize_int4
 from .safetensors_reader import SafetensorsCheckpoint
-from .tokenizer import CHAT_TEMPLATE_JINJA, TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON, Tokenizer
+from .tokenizer import (CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON, TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON,
+                        Tokenizer)
 
 ROWS_PER_CHUNK = 4096  # quantize big matrices in slices so temporaries stay ~100 MB
 LAYER_TENSOR = re.compile(r"model\.layers\.([0-9]+)\.")  # [0-9]: \d matches the digits of every script
@@ -112,6 +113,10 @@ def read_tokenizer(directory: Path, vocab_size: int) -> dict[str, bytes]:
                 f"{directory / TOKENIZER_JSON}: token id {tokenizer.largest_token_id} lies outside the model's "
                 f"vocabulary 0..{vocab_size - 1} (config.json's vocab_size)"
             )
+        outside = [i for i in tokenizer.generation_stop_ids if i >= vocab_size]
+        if outside:
+            raise CheckpointError(f"{directory / GENERATION_CONFIG_JSON}: eos_token_id {outside[0]} lies outside the "
+                                  f"model's vocabulary 0..{vocab_size - 1} (config.json's vocab_size)")
         try:
             tokenizer.compiled_template()
         except GenerationError as e:

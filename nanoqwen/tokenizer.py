@@ -47,7 +47,8 @@ __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer", "check_unicode"]
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"  # where transformers 5 saves the template, ahead of the config's
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON, CHAT_TEMPLATE_JINJA)
+GENERATION_CONFIG_JSON = "generation_config.json"  # its eos_token_id: what transformers' generate stops at
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON, CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON)
 
 # ChatML as Qwen2.5-Instruct writes it, without the default system prompt Qwen's own template
 # adds. Used only when the checkpoint carries no template.
@@ -81,7 +82,7 @@ def check_unicode(text: str, what: str) -> None:
         ) from None
 
 
-# ---- reading and checking the two files ----
+# ---- reading and checking the files ----
 
 
 class _FileProblem(Exception):
@@ -105,25 +106,40 @@ def _tokenizer_json(files: Mapping[str, bytes]) -> str:
         raise _FileProblem(TOKENIZER_JSON, f"not UTF-8 ({e})") from None
 
 
-def _read_config(files: Mapping[str, bytes]) -> dict:
-    """tokenizer_config.json as a dict ({} when absent), its token names checked."""
-    if TOKENIZER_CONFIG_JSON not in files:
+def _json_object(files: Mapping[str, bytes], name: str) -> Mapping:
+    """The JSON object file `name` holds ({} when absent)."""
+    if name not in files:
         return {}
     try:
-        config = parse_json(files[TOKENIZER_CONFIG_JSON])
+        value = parse_json(files[name])
     except JSONLimitError as e:
-        raise _FileProblem(TOKENIZER_CONFIG_JSON, str(e)) from None
+        raise _FileProblem(name, str(e)) from None
     except UnicodeDecodeError as e:
-        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"not UTF-8 ({e})") from None
+        raise _FileProblem(name, f"not UTF-8 ({e})") from None
     except ValueError as e:
-        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"invalid JSON ({e})") from None
-    if not isinstance(config, Mapping):
-        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"a JSON {type(config).__name__}, not an object")
+        raise _FileProblem(name, f"invalid JSON ({e})") from None
+    if not isinstance(value, Mapping):
+        raise _FileProblem(name, f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _read_config(files: Mapping[str, bytes]) -> dict:
+    """tokenizer_config.json as a dict ({} when absent), its token names checked."""
+    config = _json_object(files, TOKENIZER_CONFIG_JSON)
     for key in TOKEN_NAME_KEYS:
         entry = config.get(key)
         if entry is not None and not isinstance(_token_name(entry), str):
             raise _FileProblem(TOKENIZER_CONFIG_JSON, f'{key} must be a string or {{"content": a string}}, got {entry!r:.80}')
     return dict(config)
+
+
+def _generation_stop_ids(files: Mapping[str, bytes]) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id, a token id or a list of them (none when absent)."""
+    eos = _json_object(files, GENERATION_CONFIG_JSON).get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise _FileProblem(GENERATION_CONFIG_JSON, f"eos_token_id must be a token id or a list of them, got {eos!r:.80}")
+    return tuple(ids)
 
 
 def _token_name(entry) -> str | None:
@@ -190,13 +206,16 @@ def _overlaps(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
 class Tokenizer:
     """A model file's tokenizer. Build it with `from_files` (or `from_checkpoint_files`)."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str, source: str):
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str, source: str,
+                 generation_stop_ids: tuple[int, ...] = ()):
         """From parts `_from_files` has checked: the built library tokenizer, tokenizer_config.json's
-        dict, the chat template's source, and where the files came from (for error messages)."""
+        dict, the chat template's source, where the files came from (for error messages), and
+        generation_config.json's eos_token_id."""
         self.backend = backend
         self.config = config
         self.chat_template = chat_template
         self.source = source
+        self.generation_stop_ids = generation_stop_ids
         self._template = None  # compiled at the first chat: a broken template fails only chats
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
 
@@ -227,11 +246,12 @@ class Tokenizer:
         tokenizer_json = _tokenizer_json(files)
         config = _read_config(files)
         chat_template = _chat_template(files, config)
+        generation_stop_ids = _generation_stop_ids(files)
         backend = call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
         backend.no_padding()
         backend.no_truncation()
         _probe(backend)
-        return cls(backend, config, chat_template, source)
+        return cls(backend, config, chat_template, source, generation_stop_ids)
 
     def _failure(self, operation: str) -> Callable[[str], GenerationError]:
         return lambda message: GenerationError(f"the tokenizer of {self.source} cannot {operation} this text: {message}")
@@ -268,9 +288,10 @@ class Tokenizer:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """<|im_end|>, <|endoftext|> and the config's eos_token: those this vocabulary has."""
+        """<|im_end|>, <|endoftext|> and the config's eos_token, those this vocabulary has, and the
+        ids generation_config.json's eos_token_id names (transformers' generate stops at those)."""
         names = list(STOP_TOKENS) + [_token_name(self.config.get("eos_token"))]
-        ids = [self.token_id(name) for name in names if name]
+        ids = [self.token_id(name) for name in names if name] + list(self.generation_stop_ids)
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     def _special_token_in(self, text: str) -> str | None:

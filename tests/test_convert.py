@@ -72,8 +72,10 @@ def test_converted_tensors_match_the_checkpoint(checkpoints, key, tmp_path):
     summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
     model = nanoqwen.load(summary["out"], verify_checksums=True)
     assert summary["bytes"] == (tmp_path / "m.nanoqwen").stat().st_size
-    assert summary["tokenizer"] == ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
-    assert model.tokenizer_files == TOKENIZER
+    # save_pretrained writes generation_config.json beside the tokenizer files the fixture wrote
+    stored = {**TOKENIZER, "generation_config.json": (directory / "generation_config.json").read_bytes()}
+    assert summary["tokenizer"] == sorted("tokenizer/" + name for name in stored)
+    assert model.tokenizer_files == stored
     assert model.config.tie_word_embeddings == (key == "tied")
     assert ("lm_head.weight" in model.tensors) == (key != "tied")
     checked = set()
@@ -373,6 +375,10 @@ def test_a_layer_index_in_another_script_is_no_layer(checkpoints, tmp_path):
         ("chat_template.jinja", b"{% for %}", "chat_template.jinja: the tokenizer's chat template failed"),
         ("chat_template.jinja", b"\xff", "chat_template.jinja: not UTF-8"),
         ("chat_template.jinja", b"", "chat_template.jinja: is empty"),
+        ("generation_config.json", b'{"eos_token_id": "<|im_end|>"}', "generation_config.json: eos_token_id must be"),
+        ("generation_config.json", b'{"eos_token_id": [1, 320]}',
+         r"generation_config.json: eos_token_id 320 lies outside the model's vocabulary 0\.\.319"),
+        ("generation_config.json", b"[1]", "generation_config.json: a JSON list, not an object"),
         ("tokenizer_config.json", b"", "tokenizer_config.json: is empty"),
         ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token must be a string"),
         ("tokenizer_config.json", b'{"a":' * 100 + b"1" + b"}" * 100, "tokenizer_config.json: nested 100 levels deep"),
@@ -397,6 +403,20 @@ def test_chat_template_jinja_comes_before_the_configs_template(checkpoints, tmp_
     summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
     tokenizer = Tokenizer.from_files(nanoqwen.load(summary["out"]).tokenizer_files)
     assert tokenizer.chat_prompt([{"role": "user", "content": "hi"}]) == "system: be brief\nhi"
+
+
+def test_generation_stops_where_generation_config_says(checkpoints, tmp_path):
+    """transformers' generate stops at generation_config.json's eos_token_id; so does the engine."""
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    prompt = [3, 1, 4, 1, 5]
+    first = nanoqwen.Engine(convert(str(directory), tmp_path / "a.nanoqwen", progress=False)["out"], backend="numpy")
+    free = first.generate(prompt, max_new_tokens=3)
+    assert free.finish_reason == "length" and len(free.token_ids) == 3
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [free.token_ids[1], 319]}))
+    engine = nanoqwen.Engine(convert(str(directory), tmp_path / "b.nanoqwen", progress=False)["out"], backend="numpy")
+    assert engine.tokenizer.stop_token_ids == (free.token_ids[1], 319)
+    stopped = engine.generate(prompt, max_new_tokens=3)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:1]
 
 
 def test_refuses_an_oversized_tokenizer_file_before_reading_it(checkpoints, tmp_path, monkeypatch):

@@ -79,6 +79,10 @@ CRAFTED = [
     ("bos_token a list", {"config": {"bos_token": ["<s>"]}}, "tokenizer_config.json' is corrupt: bos_token must be a string"),
     ("default template not a string", {"config": {"chat_template": [{"name": "default", "template": 7}]}},
      "tokenizer_config.json' is corrupt: the default chat_template must be a string"),
+    ("eos_token_id a name", {"generation_config.json": b'{"eos_token_id": ["<|im_end|>"]}'},
+     "generation_config.json' is corrupt: eos_token_id must be a token id or a list of them"),
+    ("generation config deep", {"generation_config.json": b'{"a":' * 40 + b"1" + b"}" * 40},
+     "generation_config.json' is corrupt: nested 40 levels deep"),
 ]
 
 
