@@ -44,7 +44,8 @@ def resolve_source(source: str) -> Path:
 
         return Path(snapshot_download(source, allow_patterns=["*.json", "*.jinja", "*.safetensors"]))
     except Exception as e:  # no huggingface_hub, no network, no such repository: all one message
-        raise CheckpointError(f"{source}: cannot fetch it from the Hugging Face hub ({type(e).__name__}: {e})") from e
+        reason = " ".join(str(e).split())  # huggingface_hub's messages run over several lines; an error is one
+        raise CheckpointError(f"{source}: cannot fetch it from the Hugging Face hub ({type(e).__name__}: {reason})") from e
 
 
 def quantize_rows(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
