@@ -163,8 +163,8 @@ def source_tensors(specs: dict, checkpoint: SafetensorsCheckpoint) -> list[tuple
 
 def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
-    out = Path(out)
     check_out(out)  # before minutes of quantization, not at the final rename
+    out = Path(out)
     directory = resolve_source(source)
     refuse_out_inside(out, directory)
     config = read_config(directory)

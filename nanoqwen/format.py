@@ -168,9 +168,13 @@ def _termination_raises_system_exit() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def check_out(out: Path) -> None:
-    """A path a .nanoqwen file may be written to: in a folder that exists, not a folder itself,
-    nor a device, FIFO or socket (refuse_replacing_a_special_file)."""
+def check_out(out: str | os.PathLike) -> None:
+    """A path a .nanoqwen file may be written to: in a folder that exists, not a folder itself
+    (nor written as one, with a trailing slash), nor a device, FIFO or socket
+    (refuse_replacing_a_special_file)."""
+    if str(out).endswith((os.sep, "/")):  # Path() drops the slash, and would write a file of that name
+        raise IsADirectoryError(f"{out}: names a folder; OUT must be the path of the .nanoqwen file to write")
+    out = Path(out)
     if out.is_dir():
         raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
     if not out.parent.is_dir():
@@ -203,8 +207,8 @@ class NanoqwenWriter:
     """
 
     def __init__(self, path: str | os.PathLike, config: ModelConfig, entries):
+        check_out(path)  # and again for a special file at the rename, in close()
         self.path = Path(path)
-        check_out(self.path)  # and again for a special file at the rename, in close()
         self.partial = self.path.with_name(f"{self.path.name}.{secrets.token_hex(6)}.partial")
         self._while_open = ExitStack()  # what __enter__ sets up and __exit__ undoes
         self.table, self.data_offset, self.file_size = plan_layout(list(entries))

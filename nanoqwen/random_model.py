@@ -22,7 +22,8 @@ import numpy as np
 from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter kernel without ipywidgets
 
 from .config import ModelConfig
-from .errors import ConfigError
+from .convert import read_tokenizer
+from .errors import CheckpointError, ConfigError
 from .format import NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
 from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON
@@ -119,8 +120,9 @@ def write_random_model(
     """Write a valid .nanoqwen file of `config`'s shapes with random weights; returns its path.
 
     `tokenizer_dir`, when given, must hold tokenizer.json and tokenizer_config.json, which are
-    stored as the file's tokenizer blobs (as the converter does), with chat_template.jinja where
-    it has one.
+    stored as the file's tokenizer blobs (as the converter does), with chat_template.jinja and
+    generation_config.json where it has them. They are stored unchecked, so that tests can make
+    files with broken tokenizers; the command line checks them first, as the converter does.
     """
     entries = [(name, dtype, shape) for name, (dtype, shape) in config.tensor_specs().items()]
     blobs = {}
@@ -132,13 +134,15 @@ def write_random_model(
                 if file_name in required:
                     raise FileNotFoundError(f"{source}: tokenizer_dir must hold {' and '.join(required)}")
                 continue
-            blobs[TOKENIZER_PREFIX + file_name] = np.frombuffer(source.read_bytes(), np.uint8)
+            data = source.read_bytes()
+            if not data:  # a blob of no bytes has no shape the format stores
+                raise ValueError(f"{source}: is empty")
+            blobs[TOKENIZER_PREFIX + file_name] = np.frombuffer(data, np.uint8)
     entries += [(name, "u8", blob.shape) for name, blob in blobs.items()]
 
     total = sum(int(np.prod(shape)) * (4 if dtype == "u32" else 2) for _, dtype, shape in entries if dtype != "u8")
-    path = Path(path)
     with NanoqwenWriter(path, config, entries) as writer, ThreadPoolExecutor(os.cpu_count()) as pool:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {path.name}", disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {writer.path.name}", disable=not progress) as bar:
             for index, (name, dtype, shape) in enumerate(entries):
                 if dtype == "u8":
                     continue
@@ -167,9 +171,13 @@ def main(argv=None) -> None:
         config = PRESETS[args.preset]
         if args.layers is not None:
             config = dataclasses.replace(config, num_layers=args.layers)
+        if args.tokenizer_dir is not None:
+            read_tokenizer(Path(args.tokenizer_dir), config.vocab_size)  # a tokenizer the engine can run
         out = write_random_model(args.out, config, args.seed, args.tokenizer_dir, progress=True)
-    except (ConfigError, OSError) as e:  # a bad --layers, a missing folder, a full disk
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:  # bad --layers or tokenizer, no folder, full disk
         parser.exit(1, f"{parser.prog}: error: {e}\n")
+    except KeyboardInterrupt:  # the writer has removed its temporary file
+        parser.exit(130, "\n")
     print(f"{out}: {out.stat().st_size:,} bytes")
 
 

@@ -228,6 +228,7 @@ def test_random_model_cli(tmp_path, monkeypatch, capsys):
     (["{out}", "--preset", "tiny", "--layers", "0"], "num_layers must be a positive integer"),
     (["{out}", "--preset", "tiny", "--seed", "-1"], "--seed must be a non-negative integer"),
     (["{missing}/m.nanoqwen", "--preset", "tiny"], "does not exist"),
+    (["{out}/", "--preset", "tiny"], "names a folder"),  # not a file named m.nanoqwen
 ])
 def test_random_model_cli_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, message):
     import nanoqwen.random_model as random_model
@@ -238,6 +239,27 @@ def test_random_model_cli_errors_are_one_line(tmp_path, monkeypatch, capsys, arg
     stderr = capsys.readouterr().err
     assert exit_info.value.code in (1, 2) and message in stderr and "Traceback" not in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("tokenizer.json", b"{not json", "tokenizer.json: "),
+    ("chat_template.jinja", b"", "chat_template.jinja: is empty"),
+])
+def test_random_model_cli_checks_the_tokenizer_it_stores(tmp_path, monkeypatch, capsys, name, data, message):
+    """As the converter checks a checkpoint's: a file the engine could not run is refused, not written."""
+    import nanoqwen.random_model as random_model
+
+    monkeypatch.setitem(random_model.PRESETS, "tiny", TINY)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes(b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}')
+    (tok / "tokenizer_config.json").write_bytes(b"{}")
+    (tok / name).write_bytes(data)
+    with pytest.raises(SystemExit) as exit_info:
+        random_model.main([str(tmp_path / "m.nanoqwen"), "--preset", "tiny", "--tokenizer-dir", str(tok)])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 1 and message in stderr and stderr.count("\n") == 1
+    assert not list(tmp_path.glob("m.nanoqwen*"))
 
 
 def test_7b_preset_byte_budget():

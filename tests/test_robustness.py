@@ -427,6 +427,9 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
         convert_module.convert("anything", tmp_path / "no" / "m.nanoqwen")
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path), "is a directory")
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path / "no" / "m.nanoqwen"), "does not exist")
+    # a trailing slash names a folder: Path() would drop it and write a file called "out"
+    assert_one_line_error(cli_run(capsys, "convert", "anything", f"{tmp_path / 'out'}/"), "names a folder")
+    assert not (tmp_path / "out").exists()
 
 
 def test_conversion_refusals_are_one_cli_line(capsys, checkpoint, tmp_path):
