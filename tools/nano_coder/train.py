@@ -28,8 +28,11 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import tokenizers
@@ -84,7 +87,44 @@ def parse_args(argv=None):
     p.add_argument("--log-every-seconds", type=float, default=10.0)
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="new tokens per greedy sample (default: 64 on GPU, 16 on CPU)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("train_seconds", "max_corpus_mb", "max_file_kb", "tokenizer_sample_mb", "lr"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 < args.heldout_percent < 100:
+        p.error(f"--heldout-percent must lie between 0 and 100, got {args.heldout_percent}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: exists and is not a folder")
+    return args
+
+
+def training_device(name: str):
+    """The torch device --device names, once it is known to work here (before minutes of corpus work)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        sys.exit(f"train.py: --device {name!r}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        sys.exit(f"train.py: --device {name!r}: choose auto, cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"train.py: --device {name!r}: this torch sees no CUDA GPU (use --device cpu)")
+    return device
+
+
+def replace_folder(staging: Path, out: Path) -> None:
+    """Put the finished checkpoint at `out`, replacing a folder there only now that the new one is
+    whole: an interrupted or failed run leaves the old checkpoint as it was, never a mix."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 # Model shape. Hidden and intermediate sizes are multiples of 128 because nanoqwen quantizes
@@ -233,7 +273,20 @@ def greedy(model, tok, prompt, n_new, device, eot):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    device = training_device(args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Everything is written beside --out first, and moves there only when the run has finished.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        train(args, device, staging, argv)
+        replace_folder(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def train(args, device, folder: Path, argv):
+    """The whole pipeline, writing the checkpoint into `folder`."""
     random.seed(args.seed)
     np.random.seed(args.seed)
 
@@ -270,7 +323,7 @@ def main(argv=None):
     tok = bpe.train_tokenizer(sample, total_chars=n)
     del sample
     ids = bpe.special_ids(tok)
-    bpe.save_tokenizer(tok, args.out, model_max_length=MODEL_SHAPE["max_position_embeddings"])
+    bpe.save_tokenizer(tok, str(folder), model_max_length=MODEL_SHAPE["max_position_embeddings"])
     log(f"tokenizer: BPE trained on {n / 2**20:.1f} MiB in {time.time() - t:.1f}s; "
         f"{tok.get_vocab_size()} ids, specials {ids}")
     t_tokenizer = time.time() - T0 - t_corpus
@@ -293,9 +346,7 @@ def main(argv=None):
     import transformers
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    args.device = str(device)
     cuda = device.type == "cuda"
     batch = args.batch_size or (128 if cuda else 8)
     eval_windows = args.eval_windows or (1024 if cuda else 16)
@@ -450,8 +501,8 @@ def main(argv=None):
     model.generation_config = GenerationConfig(
         bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=False, max_new_tokens=256
     )
-    model.save_pretrained(args.out, safe_serialization=True)
-    files = {f: os.path.getsize(os.path.join(args.out, f)) for f in sorted(os.listdir(args.out))}
+    model.save_pretrained(folder, safe_serialization=True)
+    files = {f: os.path.getsize(folder / f) for f in sorted(os.listdir(folder))}
 
     train_log = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -493,10 +544,10 @@ def main(argv=None):
         "samples_note": "greedy, from the fp32 weights before the fp16 cast, no KV cache",
         "files_bytes": files,
     }
-    with open(os.path.join(args.out, "train_log.json"), "w") as f:
+    with open(folder / "train_log.json", "w") as f:
         json.dump(train_log, f, indent=2, ensure_ascii=False)
         f.write("\n")
-    total_mb = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)) / 2**20
+    total_mb = sum(os.path.getsize(folder / f) for f in os.listdir(folder)) / 2**20
     if total_mb > 16:
         log(f"WARNING: the checkpoint is {total_mb:.1f} MiB, above the 16 MiB meant for the package")
     # The one-line summary, last, for whoever reads only the tail of the log.
