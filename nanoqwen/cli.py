@@ -374,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name in ("stdout", "stderr"):  # Python leaves a closed stream None (`nanoqwen generate ... >&-`)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args, unparsed = parser.parse_known_args(argv)

@@ -211,6 +211,13 @@ def test_chat_ends_on_eof(capsys, monkeypatch, model_path):
     assert run(capsys, "chat", model_path, "--backend", "numpy")[0] == 0
 
 
+def test_a_closed_stdout_is_no_traceback(model_path):
+    """`nanoqwen generate ... >&-`: Python gives a closed stream as None; the output goes nowhere."""
+    closed = subprocess.run(["bash", "-c", f'"{sys.executable}" -m nanoqwen generate "{model_path}" "1 2" --token-ids '
+                             "--max-new-tokens 2 --backend numpy >&-"], capture_output=False, stderr=subprocess.PIPE, text=True)
+    assert closed.returncode == 0 and "Traceback" not in closed.stderr and "2 tokens" in closed.stderr
+
+
 def test_python_dash_m(model_path):
     ok = subprocess.run([sys.executable, "-m", "nanoqwen", "generate", str(model_path), "1 2", "--token-ids",
                          "--max-new-tokens", "3", "--backend", "numpy"], capture_output=True, text=True)
