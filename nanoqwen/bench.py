@@ -34,7 +34,7 @@ from .cuda.profile import (
     time_decode_steps,
     time_host_loop,
 )
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, GenerationError
 from .sampling import GREEDY
 
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
@@ -112,7 +112,7 @@ def run_bench(model_path, prompt_tokens: int = 512, new_tokens: int = 128, repea
     context = prompt_tokens + max(new_tokens, TIMING_STEPS + 1)
     if context > config.max_position_embeddings:
         model.close()
-        raise ValueError(
+        raise GenerationError(
             f"the protocol needs {context} positions (prompt {prompt_tokens} + {max(new_tokens, TIMING_STEPS + 1)}); "
             f"the model allows {config.max_position_embeddings}"
         )

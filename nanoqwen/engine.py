@@ -213,7 +213,8 @@ class Engine:
             raise GenerationError("empty conversation: chat needs at least one message")
         if isinstance(prompt, str) or _is_messages(prompt):
             if self.tokenizer is None:
-                raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids")
+                raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids "
+                                      "(--token-ids on the command line)")
             if fim_suffix is not None and (chat or not isinstance(prompt, str)):
                 raise GenerationError("fim_suffix (fill-in-the-middle) cannot be combined with a chat prompt")
             if isinstance(prompt, str):

@@ -225,7 +225,11 @@ class NanoqwenWriter:
         self.header["table_offset"] = HEADER_BYTES
         self.header["data_offset"] = self.data_offset
         self.header["file_size"] = self.file_size
-        self.file = os.fdopen(os.open(self.partial, PARTIAL_OPEN_FLAGS, 0o666), "wb")
+        try:
+            descriptor = os.open(self.partial, PARTIAL_OPEN_FLAGS, 0o666)
+        except OSError as e:  # name the folder the user chose, not the temporary file's random name
+            raise type(e)(e.errno, f"cannot create {self.path.name} in {self.path.parent} ({e.strerror})") from None
+        self.file = os.fdopen(descriptor, "wb")
         try:
             self.file.truncate(self.file_size)
         except BaseException:

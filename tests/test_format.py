@@ -215,6 +215,21 @@ def test_random_model_carries_tokenizer_files(tmp_path):
     assert not (tmp_path / "n.nanoqwen.partial").exists()
 
 
+def test_a_folder_the_writer_cannot_write_is_named(tmp_path, monkeypatch):
+    """The error names OUT's folder, not the temporary file's random name."""
+    import errno
+
+    from nanoqwen import format as format_module
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(format_module.os, "open", refused)
+    with pytest.raises(PermissionError, match=f"cannot create m.nanoqwen in {tmp_path} .Permission denied") as error:
+        write_random_model(tmp_path / "m.nanoqwen", TINY)
+    assert ".partial" not in str(error.value)
+
+
 def test_random_model_cli(tmp_path, monkeypatch, capsys):
     import nanoqwen.random_model as random_model
 
