@@ -127,9 +127,13 @@ def test_tied_model_at_head_dim_128_passes(models, tmp_path):
     assert len(report["steps"]) == 34
 
 
-def test_too_few_steps_fail(models, tmp_path):
-    code, report = run_tool(models["untied"], tmp_path, "--steps", "4")
-    assert code == 1 and len(report["failures"]) == 1 and "at least 32" in report["failures"][0]
+def test_too_few_steps_fail(models, tmp_path, capsys):
+    """Asked for, fewer than 32 steps are a usage error; compared (a context too short), a failure."""
+    with pytest.raises(SystemExit) as error:
+        run_tool(models["untied"], tmp_path, "--steps", "4")
+    assert error.value.code == 2 and "at least 32" in capsys.readouterr().err
+    failures, _ = check.verdict([], 4, [], [])
+    assert failures == ["only 4 decode steps compared; at least 32 are required"]
 
 
 def test_wrong_logits_fail(models, tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.quant import tile_int4
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.random_model import QWEN25_CODER_7B
+from record import require_gpu
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10
@@ -261,6 +262,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
     parser.add_argument("--json", type=Path, help="also write every row as JSON here")
     args = parser.parse_args(argv)
+    require_gpu("bench_kernels")
     run(args.out, args.json)
 
 

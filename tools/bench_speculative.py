@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from record import record_command, record_header, write_record
+from record import record_command, record_header, require_gpu, scratch_folder, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 7, 8, 16]  # 7: the most a narrow pass takes (8 rows)
@@ -162,6 +161,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
     args = parser.parse_args()
+    require_gpu("bench_speculative")
 
     import numpy as np
 
@@ -178,15 +178,16 @@ def main() -> int:
     with Engine(nanoqwen.load(DEFAULT_MODEL), backend="cuda") as coder:
         runs = {(name, n): recorded_run(coder, prompt, n) for name, prompt in
                 [*((name, CODE_EDIT_PROMPTS[name]) for name in EDIT_PROMPTS), ("short prompt", SHORT_PROMPT)] for n in SPECULATE}
-    model = Path(tempfile.mkdtemp()) / "7b.nanoqwen"
-    write_random_model(model, PRESETS["qwen2.5-coder-7b"])
-    with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
-        costs = pass_costs(engine, rng)
-        kernels = kernel_costs(engine, rng)
-        ids = rng.integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-        plain = plain_ms_per_token(engine, ids)
-        speculative = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=8) for _ in range(3)]
-        floor = floor_ms(engine.config, PROMPT_TOKENS, bandwidth)
+    with scratch_folder() as scratch:
+        model = scratch / "7b.nanoqwen"
+        write_random_model(model, PRESETS["qwen2.5-coder-7b"])
+        with Engine(model, backend="cuda", max_context=PROMPT_TOKENS + NEW_TOKENS + 32) as engine:
+            costs = pass_costs(engine, rng)
+            kernels = kernel_costs(engine, rng)
+            ids = rng.integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
+            plain = plain_ms_per_token(engine, ids)
+            speculative = [engine.generate(ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[], speculate=8) for _ in range(3)]
+            floor = floor_ms(engine.config, PROMPT_TOKENS, bandwidth)
     # plain steps run pipelined between the verify passes, at plain decoding's cost per token
     effective = [dict(prompt=name, speculate=n, **summary, ms_per_token=priced(passes, {**costs, 0: plain}))
                  for (name, n), (summary, passes) in runs.items()]

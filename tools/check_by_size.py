@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from record import record_command, record_header, require_gpu, scratch_folder
 
 TOOLS = Path(__file__).resolve().parent
 # preset -> layers kept (None: all). 32B's 64 layers in fp32 are ~125 GB: 40 keep the reference at ~84 GB.
@@ -27,6 +27,7 @@ LAYERS = {"qwen2.5-coder-0.5b": None, "qwen2.5-coder-1.5b": None, "qwen2.5-coder
           "qwen2.5-coder-7b": None, "qwen2.5-coder-14b": None, "qwen2.5-coder-32b": 40}
 LONG_PROMPT = ("qwen2.5-coder-1.5b", 8192)  # a prompt past 8k tokens, at a size whose reference attends to it quickly
 STEPS = 32
+TIMEOUT_S = 300  # per check, unless --timeout
 
 
 def run_check(model: Path, prompt_tokens: int, json_path: Path, timeout: int) -> tuple[int, str]:
@@ -68,14 +69,10 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_record(out: Path, rows: list[dict], records: list) -> None:
-    import cupy as cp
-
+def write_record(out: Path, header: dict, rows: list[dict], records: list) -> None:
     first = next((r for r in records if r), None)
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "command": "python3 tools/check_by_size.py --out results/check-by-size-h200",
+        **header,
         "tolerance": first["tolerance"]["formula"] if first else None,
         "rows": rows, "checks": records,
     }
@@ -83,17 +80,17 @@ def write_record(out: Path, rows: list[dict], records: list) -> None:
     out.with_suffix(".md").write_text(markdown(record))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
-    parser.add_argument("--presets", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--no-long-prompt", action="store_true")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per check")
-    args = parser.parse_args()
+def command(args) -> str:
+    """The command that makes the record again: the options it ran with, writing to results/."""
+    options = ["--presets", *args.presets] + ["--no-long-prompt"] * args.no_long_prompt
+    options += [] if args.timeout == TIMEOUT_S else ["--timeout", str(args.timeout)]
+    return record_command("tools/check_by_size.py", args.out, *options)
 
+
+def check_all(args, scratch: Path, header: dict) -> list[dict]:
+    """Every check in turn, its model written to `scratch`; the record is written after each."""
     from nanoqwen.random_model import PRESETS, write_random_model
 
-    scratch = Path(tempfile.mkdtemp())
     checks = [(p, 45) for p in args.presets]
     if not args.no_long_prompt:  # beside its size, whose file is still on disk
         checks.insert(checks.index((LONG_PROMPT[0], 45)) + 1 if (LONG_PROMPT[0], 45) in checks else len(checks), LONG_PROMPT)
@@ -116,7 +113,22 @@ def main() -> int:
         r = rows[-1]
         print(f"{preset:20} prompt {prompt_tokens:5}: " + (f"{r['worst_error_over_tolerance']:.3f} of the tolerance, "
               f"{'PASS' if r['passed'] else 'FAIL'}" if "error" not in r else f"did not run ({status})"), flush=True)
-        write_record(args.out, rows, records)  # after every check: a run cut short keeps what it measured
+        write_record(args.out, header, rows, records)  # after every check: a run cut short keeps what it measured
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--presets", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--no-long-prompt", action="store_true")
+    parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per check")
+    args = parser.parse_args()
+    require_gpu("check_by_size")
+
+    header = record_header(command(args))
+    with scratch_folder() as scratch:
+        rows = check_all(args, scratch, header)
     print(markdown(json.loads(args.out.with_suffix(".json").read_text())))
     return 0 if all(r.get("passed") for r in rows) else 1
 

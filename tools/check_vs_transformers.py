@@ -57,7 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 import nanoqwen
 from nanoqwen.config import PAGE_SIZE
 from nanoqwen.engine import DEFAULT_MAX_CONTEXT, Engine
-from nanoqwen.backends import BACKENDS
+from nanoqwen.backends import BACKENDS, cuda_unavailable_reason
+from nanoqwen.errors import NanoqwenError
 from nanoqwen.kvcache import pages_needed
 from nanoqwen.quant import NIBBLE_OF_ELEMENT, ZERO_POINT, dequantize_int4
 from nanoqwen.testing import ROUNDING_TOLERANCE_FACTOR, _hf_config, rounding_noise, rounding_tolerance
@@ -347,7 +348,8 @@ def table(records: list[dict], prompt_tokens: int) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, type=Path, help="a .nanoqwen file")
-    parser.add_argument("--steps", type=int, default=MIN_DECODE_STEPS, help="teacher-forced decode steps")
+    parser.add_argument("--steps", type=int, default=MIN_DECODE_STEPS,
+                        help=f"teacher-forced decode steps, at least {MIN_DECODE_STEPS} (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt and the page table's shuffle")
     parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"], default="cuda")
@@ -360,9 +362,25 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not args.model.is_file():
         parser.error(f"--model {args.model}: no such file")
-    if args.steps < 1 or args.prompt_tokens < 1:
-        parser.error(f"--steps ({args.steps}) and --prompt-tokens ({args.prompt_tokens}) must be >= 1")
+    # A verdict needs this many steps: fewer would run the whole check only to fail at the end.
+    if args.steps < MIN_DECODE_STEPS:
+        parser.error(f"--steps {args.steps}: at least {MIN_DECODE_STEPS} decode steps are required")
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1")
     return args
+
+
+def unusable_device(args, torch) -> str | None:
+    """Why --device or --backend cannot run on this machine, naming the option to change; None when both can."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        return f"--device {args.device}: {e}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu"
+    if args.backend == "cuda" and (reason := cuda_unavailable_reason()) is not None:
+        return f"--backend cuda: needs CuPy and a Hopper GPU ({reason}); use --backend numpy"
+    return None
 
 
 def main(argv=None) -> int:
@@ -370,6 +388,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    if (problem := unusable_device(args, torch)) is not None:
+        print(f"check_vs_transformers: {problem}", file=sys.stderr)
+        return 2
     # fp32 means fp32: no TF32 in the reference's matmuls.
     torch.set_float32_matmul_precision("highest")
     device = torch.device(args.device)
@@ -461,4 +482,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except NanoqwenError as e:  # a file that is not a .nanoqwen model, a context too long: the message says it
+        sys.exit(f"check_vs_transformers: {e}")

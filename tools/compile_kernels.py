@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,9 +100,13 @@ def compile_all(report: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, default=REPO / "results" / "ptxas-report.txt")
-    return compile_all(parser.parse_args(argv).report)
+    args = parser.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        print("compile_kernels: needs nvcc on PATH (the CUDA toolkit's bin folder)", file=sys.stderr)
+        return 2
+    return compile_all(args.report)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from record import record_command, record_header, write_record
+from record import record_command, record_header, require_gpu, scratch_folder, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
 SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
@@ -89,35 +88,36 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
     parser.add_argument("--long-contexts", nargs="*", type=int, default=LONG_CONTEXTS)
     args = parser.parse_args()
+    require_gpu("decode_by_size")
 
     from nanoqwen.cuda.timing import read_bandwidth
     from nanoqwen.random_model import PRESETS, write_random_model
 
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    scratch = Path(tempfile.mkdtemp())
     # the 7B's long contexts right after its 512-token row, while its file is on disk
     long_7b = [("7b", c - NEW_TOKENS) for c in args.long_contexts]
     plan = [row for size in args.sizes for row in [(size, PROMPT_TOKENS), *(long_7b if size == "7b" else [])]]
     plan += [] if "7b" in args.sizes else long_7b
     header = record_header(record_command("tools/decode_by_size.py", args.out, "--sizes", *args.sizes, "--long-contexts",
                                           *map(str, args.long_contexts)))
-    rows = []
-    for size, prompt_tokens in plan:
-        model = scratch / f"{size}.nanoqwen"
-        if not model.exists():
-            for old in scratch.glob("*.nanoqwen"):
-                old.unlink()  # one model on disk at a time: the 32B alone is 19 GB
-            write_random_model(model, PRESETS[f"qwen2.5-coder-{size}"])
-        rows.append(dict(model=size, **measure(model, prompt_tokens, bandwidth)))
-        r = rows[-1]
-        print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
-              f"({100 * r['share_of_floor']:.1f}%), the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
-              f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
-        in_size_order = sorted(rows, key=lambda row: (SIZES.index(row["model"]), row["context"]))  # whatever order ran
-        record = {**header, "read_bandwidth_bytes_per_s": bandwidth, "complete": len(rows) == len(plan),
-                  "rows": in_size_order}
-        write_record(args.out, record, markdown(record))
+    with scratch_folder() as scratch:
+        rows = []
+        for size, prompt_tokens in plan:
+            model = scratch / f"{size}.nanoqwen"
+            if not model.exists():
+                for old in scratch.glob("*.nanoqwen"):
+                    old.unlink()  # one model on disk at a time: the 32B alone is 19 GB
+                write_random_model(model, PRESETS[f"qwen2.5-coder-{size}"])
+            rows.append(dict(model=size, **measure(model, prompt_tokens, bandwidth)))
+            r = rows[-1]
+            print(f"{size:5} context {r['context']:6}: {r['ms_per_token']:.3f} ms/token, floor {r['floor_ms']:.3f} "
+                  f"({100 * r['share_of_floor']:.1f}%), the layers in one kernel {r['ms_per_token_persistent']:.3f}, "
+                  f"peak {r['peak_gpu_bytes'] / 2**30:.1f} GiB", flush=True)
+            in_size_order = sorted(rows, key=lambda row: (SIZES.index(row["model"]), row["context"]))  # whatever order ran
+            record = {**header, "read_bandwidth_bytes_per_s": bandwidth, "complete": len(rows) == len(plan),
+                      "rows": in_size_order}
+            write_record(args.out, record, markdown(record))
     return 0
 
 

@@ -54,6 +54,7 @@ from nanoqwen.book.broken_attention import BrokenPagedAttention
 from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
 from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.random_model import QWEN25_CODER_7B
+from record import require_gpu
 
 
 def shape(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int = 32768) -> ModelConfig:
@@ -534,7 +535,7 @@ def machine_summary(runs: list[dict]) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--broken-stress", type=int, metavar="RUNS")
     parser.add_argument("--sanitize", choices=("fixed", "broken"))
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip")
@@ -542,6 +543,7 @@ def main():
                         help="decode correctness, a short broken-kernel stress and the sanitizers alongside (~2 min)")
     parser.add_argument("--scratch", default=None, help="where subprocesses leave their files")
     args = parser.parse_args()
+    require_gpu("gpu_check_attention")
     import cupy as cp
 
     if args.sanitize:
@@ -649,16 +651,16 @@ def print_summary(results):
 def stress_subprocess(results, runs: int = 200, timeout: int = 120):
     """The broken kernel runs in its own process: if its barrier hangs the GPU work, only that
     process is killed."""
-    scratch = tempfile.mkdtemp()
-    cmd = [sys.executable, __file__, "--broken-stress", str(runs), "--scratch", scratch]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, capture_output=True, text=True)
-        print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
-        results["broken_stress"] = json.loads(Path(scratch, "broken-stress.json").read_text())
-        if Path(scratch, "broken-sample.json").exists():
-            results["broken_sample"] = json.loads(Path(scratch, "broken-sample.json").read_text())
-    except subprocess.TimeoutExpired:
-        results["failures"].append(f"broken_stress: timed out after {timeout} s (the broken kernel hung?)")
+    with tempfile.TemporaryDirectory() as scratch:
+        cmd = [sys.executable, __file__, "--broken-stress", str(runs), "--scratch", scratch]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, capture_output=True, text=True)
+            print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
+            results["broken_stress"] = json.loads(Path(scratch, "broken-stress.json").read_text())
+            if Path(scratch, "broken-sample.json").exists():
+                results["broken_sample"] = json.loads(Path(scratch, "broken-sample.json").read_text())
+        except subprocess.TimeoutExpired:
+            results["failures"].append(f"broken_stress: timed out after {timeout} s (the broken kernel hung?)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,16 @@
 #   bash tools/gpu_session.sh book     every chapter under nbval, taking the CUDA path (carry .whl with
 #                                      nbval, jupytext and their dependencies: book/running.md)
 set -u
+usage() {  # the modes, from the comment above
+  echo "usage: bash tools/gpu_session.sh [MODE]   (default: checks)"
+  sed -n 's/^#   /  /p' "${BASH_SOURCE[0]}"
+}
+MODE=${1:-checks}
+case "$MODE" in
+  tests|checks|records|sizes|persistent|speculative|book) ;;
+  -h|--help) usage; exit 0 ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE'" >&2; usage >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NANOQWEN_REQUIRE_GPU=1  # absolute: chapters run in chapters/
 OUT=${OUT:-/tmp/nanoqwen-out}
 mkdir -p "$OUT"
@@ -23,6 +33,7 @@ GPU_TESTS="tests/test_persistent_cuda.py tests/test_cuda_graph.py tests/test_pdl
 GPU=$(python3 -c "import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')" 2>/dev/null || echo gpu)
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --noconftest -o addopts="
 status=()
+failed=0
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 seconds=$2; shift 2
   local start=$SECONDS
@@ -30,9 +41,10 @@ step() {  # step NAME SECONDS COMMAND...
   timeout "$seconds" "$@" 2>&1 | tee -a "$OUT/session.log"
   local rc=${PIPESTATUS[0]}
   status+=("$(printf '%-32s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))")
+  [ "$rc" -eq 0 ] || failed=1
 }
 
-case "${1:-checks}" in
+case "$MODE" in
   tests)
     # shellcheck disable=SC2086
     step "GPU tests" 380 $PYTEST $GPU_TESTS --junitxml="$OUT/gpu-tests.xml"
@@ -72,3 +84,4 @@ case "${1:-checks}" in
 esac
 echo "=== summary"
 printf '%s\n' "${status[@]}"
+exit "$failed"  # 1 when any step failed

@@ -9,7 +9,8 @@ depends only on tensor names, shapes, dtypes and sharding, not on the values. So
 2. runs `nanoqwen.convert.convert` in a child process that does nothing else, and reads the
    child's peak resident set (`ru_maxrss`) before and after the conversion;
 3. loads the output with `nanoqwen.load(..., verify_checksums=True)`, prints a Markdown table,
-   and deletes the checkpoint and the output (unless --keep).
+   and deletes the checkpoint and the output (unless --keep). It refuses a --workdir that
+   already holds either, so it deletes only what it wrote.
 
     python tools/measure_convert_7b.py --workdir /tmp/convert7b
 """
@@ -151,6 +152,21 @@ def main(argv=None) -> None:
     from nanoqwen.random_model import QWEN25_CODER_7B
 
     checkpoint, out = args.workdir / "checkpoint", args.workdir / "qwen2.5-coder-7b-random.nanoqwen"
+    # The run deletes the checkpoint and the output when it ends, so both must be its own.
+    existing = [path for path in (checkpoint, out) if path.exists() or path.is_symlink()]
+    if args.workdir.exists() and not args.workdir.is_dir():
+        problem = f"--workdir {args.workdir} is not a folder"
+    elif existing:
+        problem = f"{existing[0]} already exists; remove it or choose another --workdir"
+    else:
+        try:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            problem = None
+        except OSError as e:
+            problem = f"cannot make --workdir {args.workdir}: {e.strerror}"
+    if problem:
+        print(f"measure_convert_7b: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         start = time.perf_counter()
         checkpoint_bytes = write_checkpoint(checkpoint, QWEN25_CODER_7B)

@@ -3,10 +3,14 @@ how it is written."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 
@@ -37,3 +41,28 @@ def record_command(tool: str, out: Path, *options: str, out_flag: str = "--out")
     """The command that makes a record again: `tool` with `options`, writing (`out_flag`) to results/
     under the name it was given (a device machine writes it elsewhere and it is copied there)."""
     return " ".join(["python3", tool, *options, out_flag, f"results/{Path(out).name}"])
+
+
+def require_gpu(tool: str) -> None:
+    """End `tool` with status 2 and one line on stderr when the CUDA backend cannot run here, before
+    it builds a model or starts a child process only to fail in a traceback."""
+    from nanoqwen.backends import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        print(f"{tool}: needs CuPy and a Hopper GPU ({reason})", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def scratch_folder():
+    """A temporary folder for model files (a 32B one is 19 GB), removed when the tool ends: normally,
+    on an error or Ctrl-C, and on SIGTERM (what `timeout` sends), which is turned into SystemExit so
+    that the removal runs."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="nanoqwen-") as folder:
+        yield Path(folder)

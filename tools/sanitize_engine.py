@@ -27,10 +27,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from record import record_command, record_header
+from record import record_command, record_header, require_gpu, scratch_folder
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1, head_dim=128,
@@ -42,6 +41,7 @@ REQUESTS = {"greedy": {}, "temperature 0.8": dict(temperature=0.8, seed=1),
             "greedy, speculate 4": dict(speculate=4), "temperature 0.8, speculate 4": dict(temperature=0.8, seed=1, speculate=4)}
 PERSISTENT_REQUESTS = ("greedy", "temperature 0.8")  # again, decoding with the persistent kernel
 TIMEOUT_S = 420
+CUDA_SANITIZER = "/usr/local/cuda/bin/compute-sanitizer"  # where the CUDA toolkit puts it, when it is not on PATH
 KERNEL_NAME = re.compile(r"(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)\+0x")
 
 
@@ -82,6 +82,26 @@ def summarize(tool: str, text: str, returncode) -> dict:
                 excerpt=[line for line in lines if line.startswith("=========")][:30])
 
 
+def sanitize(sanitizer: str, tool: str, model_path: Path, logs: Path | None) -> dict:
+    """One sanitizer over the child's requests: its summary (and its full log in `logs`)."""
+    # memcheck also reports CUDA API calls that return an error, and the CUDA libraries probe
+    # the driver's entry points that way (cuGetProcAddress): those are not memory errors.
+    extra = {"racecheck": ["--racecheck-report", "hazard"], "memcheck": ["--report-api-errors", "no"]}.get(tool, [])
+    command = [sanitizer, "--tool", tool, "--print-limit", "100", *extra, sys.executable, __file__, "--child", str(model_path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+        text, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        text, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    row = summarize(tool, text, code)
+    print(f"{tool:10} exit {code!s:8} {row['summary']}  nanoqwen kernels: {row['nanoqwen_kernels_reported'] or 'none'}",
+          flush=True)
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"sanitizer-{tool}.txt").write_text(text)
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the record here")
@@ -92,28 +112,17 @@ def main() -> int:
     if args.child:
         run_requests(args.child)
         return 0
+    sanitizer = shutil.which("compute-sanitizer") or (CUDA_SANITIZER if Path(CUDA_SANITIZER).is_file() else None)
+    if sanitizer is None:
+        print(f"sanitize_engine: needs compute-sanitizer (not on PATH, no {CUDA_SANITIZER})", file=sys.stderr)
+        return 2
+    require_gpu("sanitize_engine")
 
     from nanoqwen.testing import make_nanoqwen
 
-    model_path = make_nanoqwen(Path(tempfile.mkdtemp()), tokenizer=False, **SHAPE)
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    rows = []
-    for tool in args.tools:
-        # memcheck also reports CUDA API calls that return an error, and the CUDA libraries probe
-        # the driver's entry points that way (cuGetProcAddress): those are not memory errors.
-        extra = {"racecheck": ["--racecheck-report", "hazard"], "memcheck": ["--report-api-errors", "no"]}.get(tool, [])
-        command = [sanitizer, "--tool", tool, "--print-limit", "100", *extra, sys.executable, __file__, "--child", str(model_path)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
-            text, code = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:
-            text, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-        rows.append(summarize(tool, text, code))
-        print(f"{tool:10} exit {code!s:8} {rows[-1]['summary']}  nanoqwen kernels: {rows[-1]['nanoqwen_kernels_reported'] or 'none'}",
-              flush=True)
-        if args.logs:
-            args.logs.mkdir(parents=True, exist_ok=True)
-            (args.logs / f"sanitizer-{tool}.txt").write_text(text)
+    with scratch_folder() as scratch:
+        model_path = make_nanoqwen(scratch, tokenizer=False, **SHAPE)
+        rows = [sanitize(sanitizer, tool, model_path, args.logs) for tool in args.tools]
     tools = [] if args.tools == list(TOOLS) else ["--tools", *args.tools]
     json_path = args.json or Path("sanitizer-engine-GPU.json")
     record = {
