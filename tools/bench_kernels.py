@@ -41,7 +41,6 @@ from record import require_gpu
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10
-COMMAND = "python3 tools/bench_kernels.py --out results/kernels-h200.md --json results/kernels-h200.json"
 COPY_BYTES = 2 * 2**30
 BYTE_FLOORS = (
     "INT4 GEMV N x K: packed weights N*K/2 + fp16 scales N*K/64 + x 2K + fp32 out 4N "
@@ -198,6 +197,12 @@ def bench_rmsnorm(cp, module, l2_bytes, config, rows, cluster: bool = False):
                 bytes=rows * h * (4 + 4 + 4 + 2) + h * 2)
 
 
+def command(out: Path | None, json_path: Path | None) -> str:
+    """The command that makes the record again, writing to results/ under the names it was given."""
+    return " ".join(["python3 tools/bench_kernels.py"] + [f"{flag} results/{path.name}" for flag, path in
+                                                           (("--out", out), ("--json", json_path)) if path is not None])
+
+
 def run(out: Path | None, json_path: Path | None) -> list[dict]:
     import cupy as cp
 
@@ -232,7 +237,7 @@ def run(out: Path | None, json_path: Path | None) -> list[dict]:
     lines = [
         f"date: {datetime.date.today().isoformat()}; GPU: {gpu_name} ({num_sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB); "
         f"CuPy {cp.__version__}",
-        f"command: {COMMAND}",
+        f"command: {command(out, json_path)}",
         f"device-to-device copy (read + write counted): {copy / 1e12:.2f} TB/s; "
         f"read-only reference {READ_ONLY_TBPS} TB/s",
         f"median of {RUNS} replays of a CUDA graph of max({BATCH}, copies) launches, inputs rotated over >= 3x L2",
@@ -252,7 +257,7 @@ def run(out: Path | None, json_path: Path | None) -> list[dict]:
     if out is not None:
         out.write_text(text)
     if json_path is not None:
-        json_path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "gpu": gpu_name, "command": COMMAND,
+        json_path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "gpu": gpu_name, "command": command(out, json_path),
                                          "copy_bandwidth": copy, "read_only_tbps": READ_ONLY_TBPS, "rows": results}, indent=1))
     return results
 

@@ -1,4 +1,4 @@
-"""Check and time the paged attention kernels on a GPU, and write results/attention-h200.md.
+"""Check and time the paged attention kernels on a GPU, and write results/attention-<gpu>.md.
 
     python3 tools/gpu_check_attention.py          # everything (~3 minutes on an H200)
     python3 tools/gpu_check_attention.py --quick  # a kernel change's check (~2 minutes)
@@ -21,10 +21,11 @@ Sections, each independent (a failure is recorded and the next one runs):
 --quick runs what a change to the decode hand-off must pass and nothing else: section 1 for decode
 only, on the 7B and small shapes at lengths with tail pages and stage reuse; section 3 with 20
 runs per length; section 4 started first, running alongside (its 110 s limit bounds the run).
-No timing. It writes attention-quick-h200.md/.json instead, so a full report is never replaced
+No timing. It writes attention-quick-<gpu>.md/.json instead, so a full report is never replaced
 by a partial one.
 
-Writes attention-h200.md, attention-h200.json and the sanitizer logs to $OUT (or results/).
+Writes attention-<gpu>.md, attention-<gpu>.json (<gpu>: h100, h200) and the sanitizer logs to $OUT
+(or results/).
 Internal modes, run as subprocesses: --broken-stress, --sanitize {fixed,broken}.
 """
 
@@ -54,7 +55,7 @@ from nanoqwen.book.broken_attention import BrokenPagedAttention
 from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
 from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.random_model import QWEN25_CODER_7B
-from record import require_gpu
+from record import gpu_tag, require_gpu
 
 
 def shape(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int = 32768) -> ModelConfig:
@@ -573,7 +574,7 @@ def main():
             ("broken_stress", lambda: stress_subprocess(results, QUICK_STRESS_RUNS, timeout=50), 60),
             ("sanitizer", lambda: collect_sanitizers(pending, results, folder, deadline), QUICK_SANITIZER_S + 10),
         ]
-        stem, command = "attention-quick-h200", "python3 tools/gpu_check_attention.py --quick"
+        stem, command = f"attention-quick-{gpu_tag()}", "python3 tools/gpu_check_attention.py --quick"
     else:
         sections = [
             ("correctness", lambda: check_correctness(cp, results), 120),
@@ -584,7 +585,7 @@ def main():
             ("broken_stress", lambda: stress_subprocess(results), 130),
             ("sanitizer", lambda: sanitizer_runs(results, folder), 130),
         ]
-        stem, command = "attention-h200", "python3 tools/gpu_check_attention.py"
+        stem, command = f"attention-{gpu_tag()}", "python3 tools/gpu_check_attention.py"
     finish = lambda: finish_run(results, folder, stem, command)  # noqa: E731
     for name, section, limit in sections:
         if name in args.skip:

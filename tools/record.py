@@ -43,6 +43,14 @@ def record_command(tool: str, out: Path, *options: str, out_flag: str = "--out")
     return " ".join(["python3", tool, *options, out_flag, f"results/{Path(out).name}"])
 
 
+def gpu_tag() -> str:
+    """h100, h200 or gpu: the GPU's part of a record's name (results/<topic>-<tag>.md)."""
+    import cupy as cp
+
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+
+
 def require_gpu(tool: str) -> None:
     """End `tool` with status 2 and one line on stderr when the CUDA backend cannot run here, before
     it builds a model or starts a child process only to fail in a traceback."""
