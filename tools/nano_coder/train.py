@@ -95,6 +95,9 @@ def parse_args(argv=None):
         p.error(f"--heldout-percent must lie between 0 and 100, got {args.heldout_percent}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: exists and is not a folder")
+    missing = [root for root in args.roots or [] if not os.path.isdir(root)]
+    if missing:
+        p.error(f"--roots {missing[0]}: no such folder")
     return args
 
 
