@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +73,8 @@ def json_nesting_depth(text: str) -> int:
 def _object_without_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
     obj = dict(pairs)
     if len(obj) < len(pairs):
-        seen = set()
-        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        counts = Counter(key for key, _ in pairs)
+        repeated = next(key for key, count in counts.items() if count > 1)
         raise RepeatedKeyError(f"names {repeated!r:.80} more than once in one object")
     return obj
 

@@ -35,7 +35,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -55,7 +54,7 @@ from nanoqwen.book.broken_attention import BrokenPagedAttention
 from nanoqwen.cuda.attention import PagedAttention, random_paged_cache, relative_error
 from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.random_model import QWEN25_CODER_7B
-from record import gpu_tag, require_gpu
+from record import CUDA_SANITIZER, compute_sanitizer, gpu_tag, require_gpu
 
 
 def shape(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int = 32768) -> ModelConfig:
@@ -294,7 +293,7 @@ SANITIZER_PROCESSES: list[subprocess.Popen] = []  # ended by hung() if the run s
 def start_sanitizers() -> list[tuple]:
     """Each tool on each kernel, all at once in subprocesses; returns what collect_sanitizers needs."""
     scratch = Path(tempfile.mkdtemp())
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    sanitizer = compute_sanitizer() or CUDA_SANITIZER  # a missing one fails in each job's log
     jobs = []
     for which, tools in (("broken", ("synccheck", "racecheck")), ("fixed", ("synccheck", "racecheck", "memcheck"))):
         for tool in tools:

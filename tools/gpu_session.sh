@@ -30,7 +30,8 @@ MODEL_7B=/tmp/qwen2.5-coder-7b-random.nanoqwen
 GPU_TESTS="tests/test_persistent_cuda.py tests/test_cuda_graph.py tests/test_pdl.py tests/test_kernels_cuda.py
            tests/test_attention_cuda.py tests/test_int8_path.py tests/test_shapes_cuda.py tests/test_check_vs_transformers.py
            tests/test_verify_cuda.py"
-GPU=$(python3 -c "import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)['name'].decode(); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')" 2>/dev/null || echo gpu)
+GPU=$(python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import record; print(record.gpu_tag())" \
+      "$(dirname "${BASH_SOURCE[0]}")" 2>/dev/null || echo gpu)  # h100, h200: the records' names
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --noconftest -o addopts="
 status=()
 failed=0

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,14 @@ def gpu_tag() -> str:
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+
+
+CUDA_SANITIZER = "/usr/local/cuda/bin/compute-sanitizer"  # where the CUDA toolkit puts it, when it is not on PATH
+
+
+def compute_sanitizer() -> str | None:
+    """The compute-sanitizer program to run, or None where this machine has none."""
+    return shutil.which("compute-sanitizer") or (CUDA_SANITIZER if Path(CUDA_SANITIZER).is_file() else None)
 
 
 def require_gpu(tool: str) -> None:

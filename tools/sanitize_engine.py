@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from record import record_command, record_header, require_gpu, scratch_folder
+from record import CUDA_SANITIZER, compute_sanitizer, record_command, record_header, require_gpu, scratch_folder
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1, head_dim=128,
@@ -41,7 +40,6 @@ REQUESTS = {"greedy": {}, "temperature 0.8": dict(temperature=0.8, seed=1),
             "greedy, speculate 4": dict(speculate=4), "temperature 0.8, speculate 4": dict(temperature=0.8, seed=1, speculate=4)}
 PERSISTENT_REQUESTS = ("greedy", "temperature 0.8")  # again, decoding with the persistent kernel
 TIMEOUT_S = 420
-CUDA_SANITIZER = "/usr/local/cuda/bin/compute-sanitizer"  # where the CUDA toolkit puts it, when it is not on PATH
 KERNEL_NAME = re.compile(r"(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)\+0x")
 
 
@@ -112,7 +110,7 @@ def main() -> int:
     if args.child:
         run_requests(args.child)
         return 0
-    sanitizer = shutil.which("compute-sanitizer") or (CUDA_SANITIZER if Path(CUDA_SANITIZER).is_file() else None)
+    sanitizer = compute_sanitizer()
     if sanitizer is None:
         print(f"sanitize_engine: needs compute-sanitizer (not on PATH, no {CUDA_SANITIZER})", file=sys.stderr)
         return 2
