@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,21 @@ def test_measure_convert_7b_leaves_the_users_files(existing, tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([existing] + ["config.json"] * mine.is_dir())
 
 
+def test_measure_convert_7b_removes_its_checkpoint_when_timeout_ends_it(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(TOOLS / "measure_convert_7b.py"), "--workdir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        while not (tmp_path / "checkpoint").exists() and proc.poll() is None:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # while the 15 GB checkpoint is being written
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_measure_convert_7b_refuses_a_workdir_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     for workdir in (tmp_path / "file", tmp_path / "file" / "below"):
@@ -147,6 +163,22 @@ def test_measure_convert_7b_refuses_a_workdir_that_is_a_file(tmp_path):
         assert done.returncode == 2, done.stderr
         assert str(workdir) in one_line(done.stderr)
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_the_attention_check_bundles_its_sanitizer_logs_and_removes_them(tmp_path):
+    gpu_check_attention = load_tool("gpu_check_attention")
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir(), out.mkdir()
+    jobs = []
+    for tool in ("racecheck", "memcheck"):
+        logfile = scratch / f"sanitizer-{tool}-fixed.txt"
+        logfile.write_text(f"========= {tool.upper()} ERROR SUMMARY: 0 errors\n")
+        jobs.append(("fixed", tool, logfile, subprocess.Popen([sys.executable, "-c", ""])))
+    results = {}
+    gpu_check_attention.collect_sanitizers(jobs, results, out, deadline=time.time() + 30)
+    assert [row["status"] for row in results["sanitizer"]] == [0, 0]
+    assert "MEMCHECK ERROR SUMMARY" in (out / "sanitizer-logs.txt").read_text()
+    assert not scratch.exists()
 
 
 def test_check_vs_transformers_rejects_too_few_steps_before_running(tmp_path):

@@ -337,7 +337,10 @@ def collect_sanitizers(jobs: list[tuple], results, folder: Path, deadline: float
         log(f"  {tool} {which}: {rows[-1]['summary']} (exit {status})")
         with (folder / "sanitizer-logs.txt").open("a") as bundle:
             bundle.write(f"\n######## compute-sanitizer --tool {tool}, {which} kernel (exit {status})\n{text}")
+        logfile.unlink()
     results["sanitizer"] = rows
+    if jobs:
+        jobs[0][2].parent.rmdir()  # start_sanitizers' folder, now empty
 
 
 # ------------------------------------------------------------------------ timing

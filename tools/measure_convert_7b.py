@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from record import exit_on_sigterm
+
 SHARD_BYTES = 4 * 10**9  # the published checkpoint ships four shards of ~4 GB
 POOL_ELEMENTS = 1 << 24  # distinct random bf16 values the checkpoint is cut from
 
@@ -167,6 +169,7 @@ def main(argv=None) -> None:
     if problem:
         print(f"measure_convert_7b: {problem}", file=sys.stderr)
         raise SystemExit(2)
+    exit_on_sigterm()  # so that `finally` removes the 15 GB checkpoint under `timeout` too
     try:
         start = time.perf_counter()
         checkpoint_bytes = write_checkpoint(checkpoint, QWEN25_CODER_7B)

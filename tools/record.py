@@ -75,11 +75,17 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (what `timeout` sends) into SystemExit, so that a tool's `finally` clauses and
+    context managers remove what it made before it ends."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 @contextlib.contextmanager
 def scratch_folder():
     """A temporary folder for model files (a 32B one is 19 GB), removed when the tool ends: normally,
     on an error or Ctrl-C, and on SIGTERM (what `timeout` sends), which is turned into SystemExit so
     that the removal runs."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="nanoqwen-") as folder:
         yield Path(folder)
