@@ -152,10 +152,11 @@ TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHU
 
 
 @contextmanager
-def _termination_raises_system_exit() -> Iterator[None]:
+def termination_raises_system_exit() -> Iterator[None]:
     """In the main thread, make SIGTERM and SIGHUP raise SystemExit(128 + signal) instead of ending
     the process on the spot, so that the `finally` and `__exit__` blocks on the way out run (the
-    writer's removes its temporary file). A handler someone else installed is left alone."""
+    writer's removes its temporary file; so do the tools' scratch folders). A handler someone else
+    installed is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -279,7 +280,7 @@ class NanoqwenWriter:
         self.partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "NanoqwenWriter":
-        self._while_open.enter_context(_termination_raises_system_exit())
+        self._while_open.enter_context(termination_raises_system_exit())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

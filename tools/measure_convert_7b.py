@@ -28,8 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from record import exit_on_sigterm
-
 SHARD_BYTES = 4 * 10**9  # the published checkpoint ships four shards of ~4 GB
 POOL_ELEMENTS = 1 << 24  # distinct random bf16 values the checkpoint is cut from
 
@@ -151,6 +149,7 @@ def main(argv=None) -> None:
         return
 
     import nanoqwen
+    from nanoqwen.format import termination_raises_system_exit
     from nanoqwen.random_model import QWEN25_CODER_7B
 
     checkpoint, out = args.workdir / "checkpoint", args.workdir / "qwen2.5-coder-7b-random.nanoqwen"
@@ -169,47 +168,48 @@ def main(argv=None) -> None:
     if problem:
         print(f"measure_convert_7b: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    exit_on_sigterm()  # so that `finally` removes the 15 GB checkpoint under `timeout` too
-    try:
-        start = time.perf_counter()
-        checkpoint_bytes = write_checkpoint(checkpoint, QWEN25_CODER_7B)
-        write_s = time.perf_counter() - start
-        print(f"wrote {checkpoint_bytes:,} bytes of checkpoint in {write_s:.0f} s", flush=True)
+    # SIGTERM (what `timeout` sends) ends the run through `finally`, which removes the 15 GB checkpoint
+    with termination_raises_system_exit():
+        try:
+            start = time.perf_counter()
+            checkpoint_bytes = write_checkpoint(checkpoint, QWEN25_CODER_7B)
+            write_s = time.perf_counter() - start
+            print(f"wrote {checkpoint_bytes:,} bytes of checkpoint in {write_s:.0f} s", flush=True)
 
-        start = time.perf_counter()
-        child = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--convert-only", str(checkpoint), str(out)],
-            capture_output=True, text=True,
-        )
-        if child.returncode:
-            sys.exit(f"conversion failed ({child.returncode}):\n{child.stderr}")
-        child_s = time.perf_counter() - start
-        summary = json.loads(child.stdout.strip().splitlines()[-1])
+            start = time.perf_counter()
+            child = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--convert-only", str(checkpoint), str(out)],
+                capture_output=True, text=True,
+            )
+            if child.returncode:
+                sys.exit(f"conversion failed ({child.returncode}):\n{child.stderr}")
+            child_s = time.perf_counter() - start
+            summary = json.loads(child.stdout.strip().splitlines()[-1])
 
-        start = time.perf_counter()
-        model = nanoqwen.load(out, verify_checksums=True)
-        verify_s = time.perf_counter() - start
-        assert model.config == QWEN25_CODER_7B
+            start = time.perf_counter()
+            model = nanoqwen.load(out, verify_checksums=True)
+            verify_s = time.perf_counter() - start
+            assert model.config == QWEN25_CODER_7B
 
-        largest = max(int(np.prod(shape)) for _, shape in hf_tensors(QWEN25_CODER_7B))
-        rows = [
-            ("nanoqwen package measured", summary["nanoqwen"]),
-            ("checkpoint (bf16 safetensors)", f"{checkpoint_bytes:,} bytes in {len(list(checkpoint.glob('*.safetensors')))} shards"),
-            ("parameters converted", f"{summary['parameters']:,}"),
-            ("output .nanoqwen", f"{summary['bytes']:,} bytes"),
-            ("convert() wall time", f"{summary['convert_s']:.1f} s (child process total {child_s:.1f} s)"),
-            ("peak RSS after imports", f"{summary['after_import_rss_bytes'] / 2**30:.2f} GiB"),
-            ("peak RSS of the converting child", f"{summary['peak_rss_bytes'] / 2**30:.2f} GiB ({summary['peak_rss_bytes']:,} bytes)"),
-            ("largest tensor as float32 + its fp16 copy", f"{6 * largest / 2**30:.2f} GiB"),
-            ("load + verify_checksums", f"{verify_s:.1f} s"),
-        ]
-        print("| quantity | value |\n| --- | --- |")
-        for label, value in rows:
-            print(f"| {label} | {value} |")
-    finally:
-        if not args.keep:
-            shutil.rmtree(checkpoint, ignore_errors=True)
-            out.unlink(missing_ok=True)
+            largest = max(int(np.prod(shape)) for _, shape in hf_tensors(QWEN25_CODER_7B))
+            rows = [
+                ("nanoqwen package measured", summary["nanoqwen"]),
+                ("checkpoint (bf16 safetensors)", f"{checkpoint_bytes:,} bytes in {len(list(checkpoint.glob('*.safetensors')))} shards"),
+                ("parameters converted", f"{summary['parameters']:,}"),
+                ("output .nanoqwen", f"{summary['bytes']:,} bytes"),
+                ("convert() wall time", f"{summary['convert_s']:.1f} s (child process total {child_s:.1f} s)"),
+                ("peak RSS after imports", f"{summary['after_import_rss_bytes'] / 2**30:.2f} GiB"),
+                ("peak RSS of the converting child", f"{summary['peak_rss_bytes'] / 2**30:.2f} GiB ({summary['peak_rss_bytes']:,} bytes)"),
+                ("largest tensor as float32 + its fp16 copy", f"{6 * largest / 2**30:.2f} GiB"),
+                ("load + verify_checksums", f"{verify_s:.1f} s"),
+            ]
+            print("| quantity | value |\n| --- | --- |")
+            for label, value in rows:
+                print(f"| {label} | {value} |")
+        finally:
+            if not args.keep:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                out.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -71,21 +70,12 @@ def require_gpu(tool: str) -> None:
         raise SystemExit(2)
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM (what `timeout` sends) into SystemExit, so that a tool's `finally` clauses and
-    context managers remove what it made before it ends."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-
 @contextlib.contextmanager
 def scratch_folder():
     """A temporary folder for model files (a 32B one is 19 GB), removed when the tool ends: normally,
     on an error or Ctrl-C, and on SIGTERM (what `timeout` sends), which is turned into SystemExit so
     that the removal runs."""
-    exit_on_sigterm()
-    with tempfile.TemporaryDirectory(prefix="nanoqwen-") as folder:
+    from nanoqwen.format import termination_raises_system_exit
+
+    with termination_raises_system_exit(), tempfile.TemporaryDirectory(prefix="nanoqwen-") as folder:
         yield Path(folder)
