@@ -6,6 +6,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
 from .errors import ConfigError
 
 GROUP_SIZE = 128  # INT4 weights share one fp16 scale per 128 input elements
@@ -29,13 +32,16 @@ def rope_theta_of(hf: dict) -> float:
             continue
         if not isinstance(parameters, dict):
             raise ConfigError(f"{key} must be an object, got {parameters!r:.80}")
-        per_attention_type = bool(parameters) and all(isinstance(v, dict) for v in parameters.values())
-        entries = [(f"{key}.{name}", v) for name, v in parameters.items()] if per_attention_type else [(key, parameters)]
+        nested = [name for name, v in parameters.items() if isinstance(v, dict)]
+        if nested and len(nested) < len(parameters):
+            raise ConfigError(f"{key} mixes objects per attention type ({nested[0]!r:.40}) with other entries; "
+                              "give one or the other")
+        entries = [(f"{key}.{name}", v) for name, v in parameters.items()] if nested else [(key, parameters)]
         for where, entry in entries:
-            rope_type = entry.get("rope_type", entry.get("type", "default"))
-            if rope_type not in (None, "default"):
-                raise ConfigError(f"{where} asks for {rope_type!r:.80} RoPE scaling; "
-                                  "nanoqwen runs only the default RoPE")
+            for type_key in ("rope_type", "type"):  # transformers 5's name and the older one
+                if entry.get(type_key) not in (None, "default"):
+                    raise ConfigError(f"{where} asks for {entry[type_key]!r:.80} RoPE scaling; "
+                                      "nanoqwen runs only the default RoPE")
             if entry.get("rope_theta") is not None:
                 found[f"{where}.rope_theta"] = entry["rope_theta"]
     thetas = {}
@@ -59,6 +65,11 @@ def sliding_window_layers(hf: dict) -> Sequence[int]:
     config.json claiming billions of layers costs nothing here)."""
     if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
         return []
+    window, positions = hf["sliding_window"], hf.get("max_position_embeddings")
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise ConfigError(f"sliding_window must be an integer, got {window!r:.40}")
+    if isinstance(positions, int) and not isinstance(positions, bool) and window >= positions:
+        return []  # a window as long as the longest sequence leaves every layer full attention
     layer_types = hf.get("layer_types")
     if isinstance(layer_types, list):
         return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
@@ -67,6 +78,14 @@ def sliding_window_layers(hf: dict) -> Sequence[int]:
         raise ConfigError(f"use_sliding_window is set with max_window_layers={first!r:.40} and "
                           f"num_hidden_layers={layers!r:.40}; both must be integers")
     return range(first, layers)
+
+
+def positive_in_float32(value: float) -> bool:
+    """`value` is positive and finite, and stays so rounded to float32."""
+    if not 0 < value < math.inf:
+        return False
+    with np.errstate(over="ignore"):
+        return bool(0 < np.float32(value) < np.inf)
 
 
 @dataclass(frozen=True)
@@ -101,14 +120,18 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         for name in ("hidden_size", "intermediate_size", "q_dim"):
             if getattr(self, name) % self.group_size:
+                what = (f"num_heads x head_dim = {self.q_dim}" if name == "q_dim"  # o_proj's input
+                        else f"{name}={getattr(self, name)}")
                 raise ConfigError(
-                    f"{name}={getattr(self, name)} is not a multiple of the INT4 group size "
+                    f"{what} is not a multiple of the INT4 group size "
                     f"{self.group_size}: every projection's input must split into whole groups"
                 )
-        if not (0 < self.rope_theta < math.inf and 0 < self.rms_norm_eps < math.inf):
-            raise ConfigError(
-                f"rope_theta={self.rope_theta!r} and rms_norm_eps={self.rms_norm_eps!r} must be positive and finite"
-            )
+        if not positive_in_float32(self.rms_norm_eps):
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be positive and finite in float32, "
+                              "the precision the norms compute in")
+        if not (positive_in_float32(self.rope_theta) and positive_in_float32(1 / self.rope_theta)):
+            raise ConfigError(f"rope_theta={self.rope_theta!r} must be positive, and it and its inverse finite "
+                              "in float32: RoPE's frequencies, computed in float32, run from 1 to about 1 / rope_theta")
 
     @property
     def q_dim(self) -> int:

@@ -2,7 +2,7 @@
 
 Everything the engine would refuse is refused here, before a byte is written: a configuration
 it does not run (ModelConfig.from_hf), layers the configuration does not count, tensors of the
-wrong shape, a tokenizer that does not build or whose ids exceed the vocabulary, a chat template
+wrong shape or with no place in the model, a tokenizer that does not build or whose ids exceed the vocabulary, a chat template
 that does not compile. The output is written by NanoqwenWriter (a new temporary file renamed
 into place) and may not lie inside the checkpoint, whose files it would replace.
 """
@@ -161,6 +161,26 @@ def source_tensors(specs: dict, checkpoint: SafetensorsCheckpoint) -> list[tuple
     return sources
 
 
+# Buffers some checkpoints store beside the weights, which the configuration already determines
+# (RoPE's inverse frequencies follow from rope_theta); transformers skips them on load too.
+DERIVED_BUFFER = re.compile(r"model\.layers\.[0-9]+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def refuse_unused_tensors(config: ModelConfig, checkpoint: SafetensorsCheckpoint, sources: list) -> None:
+    """Every checkpoint tensor has a place in the model: a tensor Qwen2 has no use for (o_proj's
+    bias, a q_norm) means another architecture, which dropping it would convert into a silently
+    different model."""
+    used = {hf_name for _, hf_name, _ in sources}
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # equal to the embedding, or refused by refuse_an_lm_head_tying_would_drop
+    unused = [name for name in checkpoint.entries if name not in used and not DERIVED_BUFFER.fullmatch(name)]
+    if unused:
+        shown = ", ".join(repr(name[:120]) for name in unused[:3])
+        raise CheckpointError(f"the checkpoint holds {len(unused)} tensor(s) a Qwen2 model of this configuration has "
+                              f"no place for ({shown}{', ...' if len(unused) > 3 else ''}); it is not a plain Qwen2 "
+                              "checkpoint, and converting would drop them")
+
+
 def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     """Write `out` from the checkpoint `source`; returns a summary with the peak RSS."""
     check_out(out)  # before minutes of quantization, not at the final rename
@@ -172,6 +192,7 @@ def convert(source: str, out: str | Path, progress: bool = True) -> dict:
     check_layers(config, checkpoint)
     specs = config.tensor_specs()
     sources = source_tensors(specs, checkpoint)
+    refuse_unused_tensors(config, checkpoint, sources)
     refuse_an_lm_head_tying_would_drop(config, checkpoint)
     tokenizer_blobs = {TOKENIZER_PREFIX + name: np.frombuffer(data, np.uint8)
                        for name, data in read_tokenizer(directory, config.vocab_size).items()}

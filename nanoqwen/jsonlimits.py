@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -93,6 +94,11 @@ def parse_json(data: bytes, unique_keys: bool = False):
         value = json.loads(text, object_pairs_hook=_object_without_repeated_keys if unique_keys else None)
     except RecursionError:
         raise JSONLimitError(f"nested more than the {MAX_JSON_DEPTH} levels of JSON nanoqwen reads") from None
+    except (json.JSONDecodeError, RepeatedKeyError):
+        raise
+    except ValueError:  # Python's own cap on the digits of an integer it converts from text
+        raise JSONLimitError(f"holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                             "more than nanoqwen reads") from None
     depth = json_nesting_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise JSONLimitError(f"nested {depth} levels deep, more than the {MAX_JSON_DEPTH} levels of JSON nanoqwen reads")

@@ -24,7 +24,7 @@ from tqdm import tqdm  # a text bar everywhere: tqdm.auto warns in a Jupyter ker
 from .config import ModelConfig
 from .convert import read_tokenizer
 from .errors import CheckpointError, ConfigError
-from .format import NanoqwenWriter
+from .format import MAX_TENSORS, NanoqwenWriter
 from .loader import TOKENIZER_PREFIX
 from .tokenizer import TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON
 
@@ -124,6 +124,11 @@ def write_random_model(
     generation_config.json where it has them. They are stored unchecked, so that tests can make
     files with broken tokenizers; the command line checks them first, as the converter does.
     """
+    one, two = (len(dataclasses.replace(config, num_layers=n).tensor_specs()) for n in (1, 2))
+    tensors = one + (config.num_layers - 1) * (two - one)  # counted before a huge spec list is built to refuse it
+    if tensors > MAX_TENSORS:
+        raise ValueError(f"{config.num_layers:,} layers make {tensors:,} tensors, more than the {MAX_TENSORS:,} "
+                         "a .nanoqwen file may hold")
     entries = [(name, dtype, shape) for name, (dtype, shape) in config.tensor_specs().items()]
     blobs = {}
     if tokenizer_dir is not None:

@@ -127,6 +127,15 @@ def test_tied_model_at_head_dim_128_passes(models, tmp_path):
     assert len(report["steps"]) == 34
 
 
+def test_a_sequence_that_just_fills_the_context_passes(tmp_path, capsys):
+    """The check generates steps + 1 tokens after the prompt; all of them may fill the context, one more may not."""
+    model = make_nanoqwen(tmp_path / "short", tokenizer=False, max_position_embeddings=49)
+    code, report = run_tool(model, tmp_path, "--prompt-tokens", "16", "--steps", "32")
+    assert code == 0, report["failures"]
+    with pytest.raises(SystemExit, match=r"prompt \(17\) \+ steps \(32\) \+ the prefill's token exceed the model's context 49"):
+        run_tool(model, tmp_path, "--prompt-tokens", "17", "--steps", "32")
+
+
 def test_too_few_steps_fail(models, tmp_path, capsys):
     """Asked for, fewer than 32 steps are a usage error; compared (a context too short), a failure."""
     with pytest.raises(SystemExit) as error:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,7 +157,14 @@ def edit_tensors(directory, edit):
         ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "'yarn' RoPE scaling"),
         ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}}, "full_attention asks for 'linear'"),
         ({"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "RoPE's base more than once"),
+        ({"rope_scaling": {"rope_type": None, "type": "linear", "factor": 4.0}}, "asks for 'linear' RoPE scaling"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 5.0}, "x": "y"}},
+         r"rope_parameters mixes objects per attention type \('full_attention'\) with other entries"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}}, r"rope_theta=1e-300 must be positive, and it and its inverse finite in float32"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e300}}, r"rope_theta=1e\+300 must be positive, and it and its inverse finite in float32"),
+        ({"rms_norm_eps": 1e-50}, "rms_norm_eps=1e-50 must be positive and finite in float32"),
         ({"hidden_size": 200}, "not a multiple of the INT4 group size"),
+        ({"head_dim": 24}, r"num_heads x head_dim = 96 is not a multiple of the INT4 group size"),
         ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads"),
     ],
 )
@@ -357,8 +365,8 @@ def test_a_billion_layers_fail_at_once(checkpoints, tmp_path):
 def test_a_layer_index_in_another_script_is_no_layer(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path)
     edit_tensors(directory, lambda t: t.__setitem__("model.layers.\u0661.extra", t["model.norm.weight"]))
-    summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)  # not layer 1: an unused tensor
-    assert nanoqwen.load(summary["out"]).config.num_layers == 2
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) a Qwen2 model .* no place for \('model.layers.\u0661.extra'\)"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)  # not layer 1: a tensor of no layer
     edit_tensors(directory, lambda t: t.__setitem__("model.layers.01.extra", t["model.norm.weight"]))
     with pytest.raises(CheckpointError, match="'model.layers.01.extra' belongs to no layer"):
         convert(str(directory), tmp_path / "again.nanoqwen", progress=False)
@@ -534,3 +542,42 @@ def test_a_termination_signal_mid_conversion_leaves_nothing(checkpoints, tmp_pat
         child.kill()
         child.wait()
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.o_proj.bias", "model.layers.1.self_attn.q_norm.weight",
+                                   "some.other.tensor"])
+def test_refuses_tensors_a_qwen2_model_has_no_place_for(checkpoints, tmp_path, extra):
+    """A bias or norm Qwen2 does not have means another architecture: dropping it would convert a different model."""
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    edit_tensors(directory, lambda t: t.__setitem__(extra, t["model.norm.weight"] + 5))
+    with pytest.raises(CheckpointError, match=f"1 tensor\\(s\\) a Qwen2 model of this configuration has no place for \\('{extra}'\\)"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert not list(tmp_path.glob("m.nanoqwen*"))
+
+
+def test_stored_rope_frequencies_are_skipped_as_transformers_skips_them(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    reference = convert(str(copy_checkpoint(checkpoints, tmp_path / "plain")), tmp_path / "plain.nanoqwen", progress=False)
+    inverse_frequencies = (1e4 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32)
+    edit_tensors(directory, lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inverse_frequencies
+                                                 for i in range(2)}))
+    summary = convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+    assert Path(summary["out"]).read_bytes() == Path(reference["out"]).read_bytes()
+
+
+def test_an_integer_longer_than_python_converts_is_a_checkpoint_error(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    text = (directory / "config.json").read_text()
+    (directory / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": ' + "1" * 5000))
+    with pytest.raises(CheckpointError, match=r"config.json: holds an integer of more than \d+ digits"):
+        convert(str(directory), tmp_path / "m.nanoqwen", progress=False)
+
+
+def test_a_window_longer_than_any_sequence_is_full_attention(checkpoints, tmp_path):
+    """transformers computes the same logits with such a window as without one."""
+    directory = copy_checkpoint(checkpoints, tmp_path)
+    edit_config(directory, use_sliding_window=True, sliding_window=128, max_window_layers=0, layer_types=None)
+    assert nanoqwen.load(convert(str(directory), tmp_path / "m.nanoqwen", progress=False)["out"]).config.num_layers == 2
+    edit_config(directory, sliding_window=127)
+    with pytest.raises(CheckpointError, match=r"sliding-window attention is not supported"):
+        convert(str(directory), tmp_path / "again.nanoqwen", progress=False)

@@ -241,6 +241,8 @@ def test_random_model_cli(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["{out}", "--preset", "tiny", "--layers", "0"], "num_layers must be a positive integer"),
+    # counted, not built: a billion layers' tensor list would take minutes and gigabytes to refuse
+    (["{out}", "--preset", "tiny", "--layers", "1000000000"], "layers make 19,000,000,003 tensors, more than the 65,536"),
     (["{out}", "--preset", "tiny", "--seed", "-1"], "--seed must be a non-negative integer"),
     (["{missing}/m.nanoqwen", "--preset", "tiny"], "does not exist"),
     (["{out}/", "--preset", "tiny"], "names a folder"),  # not a file named m.nanoqwen

@@ -403,10 +403,10 @@ def main(argv=None) -> int:
         model = nanoqwen.load(args.model)
     c = model.config
     print(model, flush=True)
-    total = args.prompt_tokens + args.steps
+    total = args.prompt_tokens + args.steps + 1  # the prefill's token and one per step, as Engine.generate is asked
     if total > c.max_position_embeddings:
-        raise SystemExit(f"prompt ({args.prompt_tokens}) + steps ({args.steps}) exceeds the model's context "
-                         f"{c.max_position_embeddings}")
+        raise SystemExit(f"prompt ({args.prompt_tokens}) + steps ({args.steps}) + the prefill's token exceed the "
+                         f"model's context {c.max_position_embeddings}")
     prompt = np.random.default_rng(args.seed).integers(0, c.vocab_size, args.prompt_tokens).astype(np.int64)
 
     with phase("dequantization self-check", seconds):
