@@ -18,6 +18,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -227,6 +228,8 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _read_stdin() -> str:
+    if sys.stdin is None:  # started with stdin closed (`<&-`): Python leaves it None
+        raise GenerationError("PROMPT is '-' but stdin is closed: there is no prompt to read")
     try:
         return sys.stdin.read()
     except UnicodeDecodeError as e:
@@ -243,6 +246,14 @@ def _names_a_model(argument: str) -> bool:
         return False
 
 
+def _token_ids(prompt: str) -> list[int]:
+    """--token-ids' PROMPT: integers in ASCII digits (int() alone also reads '١٢' and '1_0')."""
+    words = prompt.replace(",", " ").split()
+    if not all(re.fullmatch("[+-]?[0-9]+", word) for word in words):
+        raise GenerationError(f"--token-ids: PROMPT must be integers in ASCII digits, got {prompt!r:.60}")
+    return [int(word) for word in words]
+
+
 @subcommand("generate", "continue a prompt, streaming the text to stdout", _generate_arguments)
 def run_generate(args: argparse.Namespace) -> int:
     if args.model is None and args.prompt != "-" and _names_a_model(args.prompt):
@@ -252,10 +263,7 @@ def run_generate(args: argparse.Namespace) -> int:
                           f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
     prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if args.token_ids:
-        try:
-            prompt = [int(t) for t in prompt.replace(",", " ").split()]
-        except ValueError:
-            raise GenerationError(f"--token-ids: PROMPT must be integers, got {prompt!r:.60}") from None
+        prompt = _token_ids(prompt)
     engine = _engine(args)
     with engine.stream(prompt, chat=args.chat, fim_suffix=args.fim_suffix, **_sampling(args)) as stream:
         for piece in stream:
@@ -294,7 +302,8 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
 
 @subcommand("chat", "talk to a model through its chat template (/exit to leave, /reset to forget)", _chat_arguments)
 def run_chat(args: argparse.Namespace) -> int:
-
+    if sys.stdin is None:  # started with stdin closed (`<&-`), unlike an empty one: no conversation can start
+        raise GenerationError("chat reads its turns from stdin, which is closed")
     try:
         import readline  # noqa: F401  (importing it gives input() line editing and history)
     except ImportError:

@@ -188,6 +188,8 @@ class Engine:
         self.allocator = PageAllocator(pages_needed(self.max_context))
         # The tokenizer first: a corrupt blob should fail in milliseconds, not after a GPU upload.
         self.tokenizer = Tokenizer.from_files(self.model.tokenizer_files, source=str(self.model.path))
+        if self.tokenizer is not None:  # text too long for the context is refused before it is encoded
+            self.tokenizer.max_tokens = self.max_context
         self.backend = make_backend(backend, self.model, self.allocator.num_pages, activations, prefill_weights)
 
     def __repr__(self) -> str:

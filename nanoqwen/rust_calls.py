@@ -27,7 +27,12 @@ def _is_panic(error: BaseException) -> bool:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())  # the library's messages may span lines; nanoqwen's errors do not
+    """The error's message on one line (the library's may span lines; nanoqwen's errors do not).
+    A MemoryError usually has no message at all: it gets one."""
+    message = " ".join(str(error).split())
+    if isinstance(error, MemoryError):
+        return f"out of memory ({message or 'an allocation failed'})"
+    return message
 
 
 def _scratch_fd() -> int:

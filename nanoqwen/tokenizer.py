@@ -27,6 +27,9 @@ that wrote the text themselves.
 
 from __future__ import annotations
 
+import base64
+import json
+import math
 import os
 import re
 import secrets
@@ -60,8 +63,13 @@ CHATML_TEMPLATE = (
 )
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # end of a chat turn, end of a document
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
-TOKEN_NAME_KEYS = ("bos_token", "eos_token")  # the names tokenizer_config.json gives the template
+# The special tokens tokenizer_config.json names: bos and eos reach the template, eos ends generation.
+TOKEN_NAME_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 MESSAGE_KEYS = frozenset({"role", "content"})
+# Normalization can shorten text before the model sees it (NFC composes a Hangul syllable from
+# three jamo, a third of their bytes): text is refused as too long for the context only past this
+# many times what the context's tokens could spell.
+NORMALIZATION_SLACK = 4
 # Encoded and decoded once at construction: letters, digits, spaces, tabs, newlines,
 # punctuation, accents, CJK and an emoji reach every stage of a tokenizer's pipeline.
 PROBE_TEXT = "Hello, world! 123\n\tdef f(x):  return x ** 2  # caf\u00e9 \u65e5\u672c\u8a9e \U0001f642"
@@ -123,6 +131,14 @@ def _json_object(files: Mapping[str, bytes], name: str) -> Mapping:
     return value
 
 
+def _check_config_text(text: str, what: str) -> None:
+    """JSON can spell a lone surrogate ("\\ud800"), which no UTF-8 text holds and the library cannot take."""
+    try:
+        check_unicode(text, what)
+    except GenerationError:
+        raise _FileProblem(TOKENIZER_CONFIG_JSON, f"{what} must be valid Unicode text, got {text!r:.80} (a lone surrogate)") from None
+
+
 def _read_config(files: Mapping[str, bytes]) -> dict:
     """tokenizer_config.json as a dict ({} when absent), its token names checked."""
     config = _json_object(files, TOKENIZER_CONFIG_JSON)
@@ -130,6 +146,8 @@ def _read_config(files: Mapping[str, bytes]) -> dict:
         entry = config.get(key)
         if entry is not None and not isinstance(_token_name(entry), str):
             raise _FileProblem(TOKENIZER_CONFIG_JSON, f'{key} must be a string or {{"content": a string}}, got {entry!r:.80}')
+        if entry is not None:
+            _check_config_text(_token_name(entry), key)
     return dict(config)
 
 
@@ -166,7 +184,86 @@ def _chat_template(files: Mapping[str, bytes], config: Mapping) -> str:
         template = templates.get("default", CHATML_TEMPLATE)
         if not isinstance(template, str):
             raise _FileProblem(TOKENIZER_CONFIG_JSON, f"the default chat_template must be a string, got {template!r:.80}")
+    _check_config_text(template, "chat_template")
     return template
+
+
+# ---- how far the pipeline can lengthen text ----
+
+# A pipeline step can turn one character into many: four Replace steps of `z` -> 100 `z`s turn a
+# one-character prompt into 10**8, and a decoder that does the same prints megabytes for a few
+# tokens. So each step's growth per character is bounded from its structure, the bounds of a
+# chain multiply, and a pipeline whose bound passes MAX_EXPANSION is refused. Real pipelines stay
+# far below it: Qwen2.5's encodes at most 15x (NFC 3x, then ByteLevel 5x) and decodes at 1x,
+# Llama's (Prepend and Replace to "▁") 2x and 1x, BERT's 36x, NFKC with ByteLevel 90x.
+MAX_EXPANSION = 256
+# Growth per character of the steps that take no text from the file. The Unicode normalization
+# forms' are UAX #15's maximum expansion factors; Lowercase: one character lowercases to at most
+# 3; BertNormalizer: spaces around a CJK character (3x), lowercase (3x) and NFD to strip accents
+# (4x); ByteLevel: a character of 4 UTF-8 bytes becomes 4, plus 1 for a prefix space before a
+# one-character piece; Metaspace: a replacement for a space, plus one prepended; BPEDecoder: a
+# space for its suffix, between every two characters when the suffix is empty. Steps that only
+# split, remove or map one character to one grow nothing.
+STEP_GROWTH = {
+    "normalizer": {"NFC": 3, "NFD": 4, "NFKC": 18, "NFKD": 18, "Lowercase": 3, "BertNormalizer": 36, "ByteLevel": 4,
+                   "Nmt": 1, "Strip": 1, "StripAccents": 1},
+    "pre_tokenizer": {"ByteLevel": 5, "Metaspace": 2, "BertPreTokenizer": 1, "CharDelimiterSplit": 1, "Digits": 1,
+                      "FixedLength": 1, "Punctuation": 1, "Split": 1, "UnicodeScripts": 1, "Whitespace": 1,
+                      "WhitespaceSplit": 1},
+    "decoder": {"ByteLevel": 1, "ByteFallback": 1, "CTC": 1, "Fuse": 1, "Metaspace": 1, "Strip": 1, "WordPiece": 1,
+                "BPEDecoder": 2},
+}
+SEQUENCE_KEYS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers", "decoder": "decoders"}
+
+
+def _replace_growth(step: Mapping) -> float:
+    """A Replace writes `content` for each match: a String pattern's matches are as long as it, a
+    Regex's may be one character, or empty (then it writes `content` before every character)."""
+    content, pattern = step["content"], step["pattern"]
+    if "String" in pattern:
+        return max(1.0, len(content) / max(len(pattern["String"]), 1))
+    return 1.0 + len(content)
+
+
+def _precompiled_growth(step: Mapping) -> float:
+    """A Precompiled (SentencePiece) map replaces each character, or longer match, by one of the
+    NUL-separated strings after its trie: at most the longest of them per character."""
+    charsmap = base64.b64decode(step["precompiled_charsmap"])
+    trie_bytes = int.from_bytes(charsmap[:4], "little")
+    replacements = charsmap[4 + trie_bytes :].split(b"\0")
+    return max([1.0] + [len(r.decode("utf-8", "replace")) for r in replacements])
+
+
+def _growth(step: Mapping, stage: str) -> float:
+    """How many characters one character can become in `step`, a pipeline stage's JSON."""
+    kind = step.get("type")
+    if kind == "Sequence":
+        return math.prod(_growth(inner, stage) for inner in step[SEQUENCE_KEYS[stage]])
+    if kind == "Replace":
+        return _replace_growth(step)
+    if kind == "Prepend":  # once per piece between special tokens, which may be one character
+        return 1.0 + len(step["prepend"])
+    if kind == "Precompiled":
+        return _precompiled_growth(step)
+    if kind in STEP_GROWTH[stage]:
+        return STEP_GROWTH[stage][kind]
+    # A type this table does not know (a tokenizers release newer than this code) could grow
+    # text without end: refused, rather than trusted.
+    raise _FileProblem(TOKENIZER_JSON, f"its {stage} has a step of type {kind!r}, which nanoqwen cannot bound")
+
+
+def _stage_growth(component, stage: str) -> float:
+    return 1.0 if component is None else _growth(json.loads(component.__getstate__()), stage)
+
+
+def _check_expansion(backend: tokenizers.Tokenizer) -> None:
+    """Refuse a pipeline that can lengthen text more than MAX_EXPANSION times, encoding or decoding."""
+    encoding = _stage_growth(backend.normalizer, "normalizer") * _stage_growth(backend.pre_tokenizer, "pre_tokenizer")
+    decoding = _stage_growth(backend.decoder, "decoder")
+    for operation, growth in (("encoding", encoding), ("decoding", decoding)):
+        if growth > MAX_EXPANSION:
+            raise _FileProblem(TOKENIZER_JSON, f"its {operation} pipeline can make each character of text up to "
+                                               f"{growth:,.0f} characters, more than the {MAX_EXPANSION} nanoqwen allows")
 
 
 # ---- the pipeline's three operations, as the Tokenizer and its construction-time probe run them ----
@@ -218,6 +315,10 @@ class Tokenizer:
         self.generation_stop_ids = generation_stop_ids
         self._template = None  # compiled at the first chat: a broken template fails only chats
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._longest_token_bytes: int | None = None
+        # The most tokens a text may need, set by whoever knows the context (None: no limit).
+        # Text that cannot fit is refused before encoding: 20 MB take seconds and gigabytes.
+        self.max_tokens: int | None = None
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes], source: str = "model file") -> Tokenizer | None:
@@ -250,6 +351,7 @@ class Tokenizer:
         backend = call_rust(partial(_FileProblem, TOKENIZER_JSON), tokenizers.Tokenizer.from_str, tokenizer_json)
         backend.no_padding()
         backend.no_truncation()
+        _check_expansion(backend)  # before the probe, which such a pipeline would keep busy for minutes
         _probe(backend)
         return cls(backend, config, chat_template, source, generation_stop_ids)
 
@@ -265,8 +367,31 @@ class Tokenizer:
         """The largest id the tokenizer can produce (-1 for an empty vocabulary)."""
         return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
 
+    @property
+    def longest_token_bytes(self) -> int:
+        """The UTF-8 length of the vocabulary's longest token, at least what it spells of the text
+        (a ByteLevel token's characters stand for a byte each, "▁" for a space, "<0x41>" for one byte)."""
+        if self._longest_token_bytes is None:
+            vocabulary = self.backend.get_vocab(with_added_tokens=True)
+            self._longest_token_bytes = max((len(token.encode("utf-8")) for token in vocabulary), default=1)
+        return self._longest_token_bytes
+
+    def _check_fits(self, text: str) -> None:
+        if self.max_tokens is None:
+            return
+        spelled = self.max_tokens * self.longest_token_bytes
+        size = len(text.encode("utf-8"))
+        if size > spelled * NORMALIZATION_SLACK:
+            raise GenerationError(
+                f"the text has {size:,} bytes of UTF-8, more than {self.max_tokens:,} tokens can hold: this "
+                f"vocabulary's longest token spells {self.longest_token_bytes} bytes, so {self.max_tokens:,} tokens "
+                f"spell at most {spelled:,} (text is refused past {NORMALIZATION_SLACK} times that, room for "
+                "normalization to shorten it)"
+            )
+
     def token_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
+        check_unicode(token, "the token name")
+        return call_rust(self._failure("look up"), self.backend.token_to_id, token)
 
     # ---- text to ids ----
 
@@ -276,11 +401,13 @@ class Tokenizer:
 
     def _encoding(self, text: str) -> tokenizers.Encoding:
         check_unicode(text, "the text")
+        self._check_fits(text)
         return call_rust(self._failure("encode"), _encoding, self.backend, text)
 
     def encode_literal(self, text: str) -> list[int]:
         """Ids of `text` as plain text: special-token text in it stays the ordinary tokens that spell it."""
         check_unicode(text, "the text")
+        self._check_fits(text)
         return call_rust(self._failure("encode"), _literal_ids, self.backend, text)
 
     def decode(self, token_ids: Iterable[int]) -> str:
@@ -409,6 +536,7 @@ class Tokenizer:
         """Ids of `fim_prompt`: the three markers as special tokens, prefix and suffix as plain
         text (unless `allow_special_tokens`)."""
         text = self.fim_prompt(prefix, suffix)
+        self._check_fits(text)  # prefix and suffix together
         if allow_special_tokens:
             return self.encode(text)
         marker = self.token_id

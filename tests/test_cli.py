@@ -117,6 +117,8 @@ def test_generate_token_ids(capsys, model_path):
     (["generate", "{model}", "x", "--max-new-tokens", "100000"], "exceeds"),
     (["generate", "{model}", "x", "--speculate", "17"], "speculate must be an integer in 0..16"),
     (["generate", "{model}", "x y", "--token-ids"], "must be integers"),
+    (["generate", "{model}", "\u0661\u0662 1", "--token-ids"], "must be integers in ASCII digits"),  # int() reads 12
+    (["generate", "{model}", "1_0", "--token-ids"], "must be integers in ASCII digits"),  # int() reads 10
     (["generate", "{model}", "999999", "--token-ids"], "outside the vocabulary"),
     (["generate", "{missing}", "x"], "cannot open"),
     (["inspect", "{missing}"], "cannot open"),
@@ -216,6 +218,32 @@ def test_a_closed_stdout_is_no_traceback(model_path):
     closed = subprocess.run(["bash", "-c", f'"{sys.executable}" -m nanoqwen generate "{model_path}" "1 2" --token-ids '
                              "--max-new-tokens 2 --backend numpy >&-"], capture_output=False, stderr=subprocess.PIPE, text=True)
     assert closed.returncode == 0 and "Traceback" not in closed.stderr and "2 tokens" in closed.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    ("generate {model} -", "PROMPT is '-' but stdin is closed"),
+    ("chat {model}", "chat reads its turns from stdin, which is closed"),
+])
+def test_a_closed_stdin_is_one_error_line(model_path, command, message):
+    """`nanoqwen generate MODEL - <&-`: Python gives a closed stdin as None."""
+    command = command.format(model=f'"{model_path}"')
+    closed = subprocess.run(["bash", "-c", f'"{sys.executable}" -m nanoqwen {command} --backend numpy <&-'],
+                            capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 1 and closed.stderr.count("\n") == 1 and message in closed.stderr, closed.stderr
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_encoding(capsys, monkeypatch, model_path):
+    from nanoqwen import tokenizer
+
+    def literal_ids(backend, text):  # the tokenizer's probe still runs
+        assert len(text) < 1000, "encoded a prompt that cannot fit"
+        return original(backend, text)
+
+    original = tokenizer._literal_ids
+    monkeypatch.setattr(tokenizer, "_literal_ids", literal_ids)
+    status, _, stderr = run(capsys, "generate", model_path, "x" * 10**6, "--max-context", 64, "--backend", "numpy")
+    assert status == 1 and stderr.count("\n") == 1, stderr
+    assert "the text has 1,000,000 bytes of UTF-8, more than 64 tokens can hold" in stderr
 
 
 def test_python_dash_m(model_path):

@@ -184,6 +184,16 @@ def test_text_prompt_is_encoded_with_the_bundled_tokenizer(engine):
     assert engine.generate(text, max_new_tokens=8).token_ids == engine.generate(ids, max_new_tokens=8).token_ids
 
 
+def test_text_that_cannot_fit_the_context_is_refused_before_encoding(model):
+    engine = Engine(model, backend="numpy", max_context=64)
+    text = "x" * 10**6
+    for prompt in ({"prompt": text}, {"prompt": text, "fim_suffix": ""},
+                   {"prompt": [{"role": "user", "content": text}], "chat": True}):
+        with pytest.raises(GenerationError, match="the text has .* bytes of UTF-8, more than 64 tokens can hold"):
+            engine.generate(**prompt, max_new_tokens=1)
+    assert all_pages_free(engine)
+
+
 def test_stop_tokens_come_from_the_tokenizer(engine):
     tok = engine.tokenizer.backend
     assert engine.tokenizer.stop_token_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))

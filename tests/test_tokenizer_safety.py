@@ -83,6 +83,24 @@ CRAFTED = [
      "generation_config.json' is corrupt: eos_token_id must be a token id or a list of them"),
     ("generation config deep", {"generation_config.json": b'{"a":' * 40 + b"1" + b"}" * 40},
      "generation_config.json' is corrupt: nested 40 levels deep"),
+    ("eos_token a lone surrogate", {"config": {"eos_token": "\ud800"}},
+     "tokenizer_config.json' is corrupt: eos_token must be valid Unicode text, got '\\\\ud800'"),
+    ("pad_token content a lone surrogate", {"config": {"pad_token": {"content": "a\udcff"}}},
+     "tokenizer_config.json' is corrupt: pad_token must be valid Unicode text"),
+    ("chat_template a lone surrogate", {"config": {"chat_template": "{{ '\ud800' }}"}},
+     "tokenizer_config.json' is corrupt: chat_template must be valid Unicode text"),
+    ("normalizer amplifies", {"tokenizer": {"normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"String": "z"}, "content": "z" * 100}] * 4}}},
+     "tokenizer.json' is corrupt: its encoding pipeline can make each character of text up to 500,000,000 characters, "
+     "more than the 256"),  # 100**4 x ByteLevel's 5
+    ("regex Replace before ByteLevel", {"tokenizer": {"normalizer": {"type": "Replace", "pattern": {"Regex": "q"},
+                                                                     "content": "q" * 60}}},
+     "its encoding pipeline can make each character of text up to 305 characters"),  # (60 + 1) x ByteLevel's 5
+    ("Prepend amplifies", {"tokenizer": {"normalizer": {"type": "Prepend", "prepend": "x" * 300}}},
+     "its encoding pipeline can make each character of text up to 1,505 characters"),
+    ("decoder amplifies", {"tokenizer": {"decoder": {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "e"}, "content": "e" * 100}] * 3}}},
+     "its decoding pipeline can make each character of text up to 1,000,000 characters"),
 ]
 
 
@@ -108,6 +126,80 @@ def test_crafted_blob_fails_engine_start_and_the_cli_in_one_line(tmp_path, files
                           capture_output=True, text=True, timeout=120, env={**os.environ, "RUST_BACKTRACE": "1"})
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and "panicked: Precompiled" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_amplifying_tokenizer_is_refused_before_its_probe(files, monkeypatch):
+    """The probe of PROBE_TEXT through a 10**8-fold normalizer would take minutes and gigabytes."""
+    from nanoqwen import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_probe", lambda backend: pytest.fail("probed an amplifying pipeline"))
+    with pytest.raises(NanoqwenFormatError, match="can make each character of text up to 500,000,000"):
+        Tokenizer.from_files(crafted_blobs(files, CRAFTED[-4][1]))
+
+
+def test_real_pipelines_pass_the_expansion_bound(files):
+    """Qwen2.5's (NFC, Split and ByteLevel, ByteLevel decoder) and Llama's (Prepend and Replace to
+    "▁"; Replace, ByteFallback, Fuse, Strip) are far below MAX_EXPANSION."""
+    qwen = {"normalizer": {"type": "NFC"}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}}
+    llama = {"normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "pre_tokenizer": None, "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}}
+    for pipeline in (qwen, llama):
+        assert Tokenizer.from_files(blobs(files, pipeline)).encode("hello world")
+
+
+def test_a_step_of_unknown_growth_is_refused(files, monkeypatch):
+    from nanoqwen import tokenizer as tokenizer_module
+
+    monkeypatch.delitem(tokenizer_module.STEP_GROWTH["pre_tokenizer"], "ByteLevel")  # as if a new library added it
+    with pytest.raises(NanoqwenFormatError, match="its pre_tokenizer has a step of type 'ByteLevel', which nanoqwen cannot bound"):
+        Tokenizer.from_files(blobs(files))
+
+
+def test_token_names_are_looked_up_through_the_rust_guard(tokenizer):
+    assert tokenizer.token_id("<|im_end|>") is not None and tokenizer.token_id("no such token") is None
+    with pytest.raises(GenerationError, match="the token name is not valid Unicode text"):
+        tokenizer.token_id("\ud800")
+
+
+def test_text_too_long_for_the_context_is_refused_before_encoding(files, monkeypatch):
+    from nanoqwen import tokenizer as tokenizer_module
+
+    tok = Tokenizer.from_files(blobs(files))
+    tok.max_tokens = 100
+    limit = 100 * tok.longest_token_bytes * tokenizer_module.NORMALIZATION_SLACK
+    assert tok.encode_literal("a" * limit) and tok.encode("a" * limit)  # what could fit is encoded
+
+    def refusing(encode):
+        def short_texts_only(backend, text):  # a chat's role is encoded on its own
+            assert len(text) < 100, f"encoded {len(text):,} characters"
+            return encode(backend, text)
+        return short_texts_only
+
+    for name in ("_encoding", "_literal_ids"):
+        monkeypatch.setattr(tokenizer_module, name, refusing(getattr(tokenizer_module, name)))
+    reason = (f"more than 100 tokens can hold: this vocabulary's longest token spells {tok.longest_token_bytes} bytes, "
+              f"so 100 tokens spell at most {limit // 4:,}")
+    for call in (tok.encode, tok.encode_literal):
+        with pytest.raises(GenerationError, match=f"the text has {limit + 1:,} bytes of UTF-8, {reason}"):
+            call("a" * (limit + 1))
+    for call in (lambda text: tok.fim_token_ids(text, text), lambda text: tok.chat_token_ids([{"role": "user", "content": text}])):
+        with pytest.raises(GenerationError, match=reason):  # prefix and suffix, or the template's text around it
+            call("a" * limit)
+
+
+def test_running_out_of_memory_in_the_library_says_so():
+    from nanoqwen.rust_calls import call_rust
+
+    def allocate():
+        raise MemoryError  # what a failed allocation inside the library raises: no message
+
+    with pytest.raises(GenerationError, match=r"^cannot encode: out of memory \(an allocation failed\)$"):
+        call_rust(lambda message: GenerationError(f"cannot encode: {message}"), allocate)
 
 
 def test_padding_and_truncation_are_switched_off(files, tokenizer):
@@ -172,11 +264,50 @@ def test_a_looping_template_stops_at_the_deadline(files, monkeypatch, template):
     ("{{ 'x' * 10**9 }}", "repetition of 1,000,000,000 items"),
     ("{{ [0] * 10**9 }}", "repetition of 1,000,000,000 items"),
     ("{% set n = 10**9 %}{{ 2 ** n }}", "would exceed 1,048,576 bits"),
+    ("{{ 'a'|center(4000000000) }}", "the center filter would write 4,000,000,000 characters, more than 1,000,000"),
+    ("{{ '%1500000000d'|format(1) }}", "the format filter would write 1,500,000,013 characters"),
+    ("{{ 'x'|indent(1500000000, true) }}", "the indent filter would write"),
+    ("{{ '{:>1500000000}'.format(1) }}", "str.format would write 1,500,000,001 characters"),
+    ("{{ '{:{}}'.format(1, 1500000000) }}", "str.format would write"),  # a width from a nested field
+    ("{{ '{a:>1500000000}'.format_map({'a': 1}) }}", "str.format_map would write"),
+    ("{{ '%*d' % (-1500000000, 1) }}", "a %-format would write 1,500,000,004 characters"),
+    ("{{ ('a'|e).center(4000000000) }}", "str.center would write"),  # a Markup's methods too
+    ("{{ 'a\tb'.expandtabs(10**9) }}", "str.expandtabs would write"),
+    ("{% set s = 'x' * 900000 %}{{ s.replace('x', s) }}", "str.replace would write 810,000,000,000 characters"),
+    ("{% set s = 'x' * 900000 %}{{ s|replace('x', s) }}", "the replace filter would write"),
+    ("{% set s = 'x' * 900000 %}{{ range(1000)|join(s) }}", "the join filter would write"),
+    ("{% set s = 'x' * 900000 %}{{ s.join(range(1000)|map('string')) }}", "str.join would write"),
+    ("{% set s = 'x' * 900000 %}{{ ('{0}' * 1000).format(s) }}", "str.format would write"),
+    ("{% set s = 'x' * 900000 %}{{ ('%(a)s' * 1000) % {'a': s} }}", "a %-format would write"),
+    ("{{ 'abc'|wordwrap(1, wrapstring='x' * 900000) }}", "the wordwrap filter would write"),
+    ("{{ [1]|batch(10**9, 0)|list }}", "the batch filter's fill would write"),
+    ("{{ [[1, 2], [3]]|tojson(indent=10**9) }}", "the tojson filter would write"),
+    ("{{ ('x' * 10).translate({120: 'y' * 900000}) }}", "str.translate would write 9,000,000 characters"),
 ])
 def test_a_template_cannot_write_or_build_without_end(files, monkeypatch, template, match):
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CHARS", 10**6)
     with pytest.raises(GenerationError, match=match):
         template_tokenizer(files, template).chat_prompt(HI)
+
+
+def test_a_sized_filter_folded_at_compile_time_is_refused_without_its_allocation(files):
+    """jinja2 runs a filter of constant arguments while compiling; the deadline cannot stop one C call."""
+    start = time.perf_counter()
+    tok = template_tokenizer(files, "{{ 'a'|center(4000000000) }}")
+    tok.compiled_template()
+    with pytest.raises(GenerationError, match="the center filter would write 4,000,000,000 characters"):
+        tok.chat_prompt(HI)
+    assert time.perf_counter() - start < 1
+
+
+def test_sized_operations_within_the_limit_still_work(files):
+    template = ("{{ 'ab'|center(6) }}|{{ '%05d'|format(42) }}|{{ 'a\nb'|indent(2, true) }}|{{ '{:>4}'.format(1) }}|"
+                "{{ '{a}'.format_map({'a': 'x'}) }}|{{ [1, {'a': [2]}]|tojson(indent=1) }}|{{ ['a', 'b']|join(', ') }}|"
+                "{{ 'aXa'|replace('X', 'yy') }}|{{ '%s-%r' % ('a', 'b') }}|{{ [1, 2, 3]|batch(2, 0)|list }}|"
+                "{{ 'x'.zfill(3) }}|{{ 'a b'|wordwrap(1) }}|{{ '-'.join(['a', 'b']) }}")
+    assert template_tokenizer(files, template).chat_prompt(HI) == (
+        '  ab  |00042|  a\n  b|   1|x|[\n 1,\n {\n  "a": [\n   2\n  ]\n }\n]|a, b|ayya|a-\'b\'|[[1, 2], [3, 0]]|'
+        "00x|a\nb|a-b")
 
 
 def test_an_oversized_template_is_refused(files):
