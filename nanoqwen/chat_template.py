@@ -12,7 +12,7 @@ constants), `'%1500000000d' % 1`, `s.replace('x', s)`. So every operation whose 
 argument sets is checked before it runs and refused when it would write more than
 MAX_TEMPLATE_CHARS: `*` and `**`, `%` on strings, str.format and format_map, the str methods
 that pad, expand or join, and the filters that do the same (center, indent, format, wordwrap,
-join, replace, batch's fill, tojson's indent).
+join, replace, batch's fill, tojson's indent), and printing a container of strings.
 """
 
 from __future__ import annotations
@@ -82,11 +82,42 @@ def _deadline(seconds: float) -> Iterator[None]:
 
 
 def _repeat_length(left, right) -> int:
-    """Length of `left * right` when it repeats a string or a list, else 0."""
+    """Length of `left * right` when it repeats a string or a list, else 0; a list's strings count
+    their characters, which printing the list would write."""
     for sequence, count in ((left, right), (right, left)):
-        if isinstance(sequence, (str, list, tuple)) and isinstance(count, int):
+        if isinstance(sequence, str) and isinstance(count, int):
             return len(sequence) * count
+        if isinstance(sequence, (list, tuple)) and isinstance(count, int):
+            return (len(sequence) + sum(len(item) for item in sequence if isinstance(item, str))) * count
     return 0
+
+
+def _printed_length(value, limit: int) -> int:
+    """Roughly len(str(value)) for a container: its strings' characters and a few for anything
+    else, walked only until the sum passes `limit` (str() itself is one call the deadline cannot stop)."""
+    pending, length = [value], 0
+    while pending and length <= limit:
+        item = pending.pop()
+        if isinstance(item, str):
+            length += len(item) + 4  # quotes and a separator
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            pending.extend(item)
+            length += 2
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+            length += 2
+        else:
+            length += 8  # a number, None, a boolean
+    return length
+
+
+def _finalize(value):
+    """Every `{{ value }}` before jinja2 turns it to text: a list of a thousand long strings, built
+    cheaply from references, would print gigabytes in one call."""
+    if not isinstance(value, str):
+        _check_length(_printed_length(value, MAX_TEMPLATE_CHARS), "printing a value")
+    return value
 
 
 # ---- sizes of what an operation would write, computed before it runs ----
@@ -205,7 +236,8 @@ class _Environment(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator, left, right):
         if operator == "*" and _repeat_length(left, right) > MAX_TEMPLATE_CHARS:
-            raise SecurityError(f"a repetition of {_repeat_length(left, right):,} items exceeds {MAX_TEMPLATE_CHARS:,}")
+            raise SecurityError(f"a repetition would hold {_repeat_length(left, right):,} items and characters, "
+                                f"more than {MAX_TEMPLATE_CHARS:,}")
         if (operator == "**" and isinstance(left, int) and isinstance(right, int)
                 and left.bit_length() * abs(right) > MAX_POWER_BITS):
             raise SecurityError(f"a {left.bit_length()}-bit integer ** {right} would exceed {MAX_POWER_BITS:,} bits")
@@ -315,7 +347,8 @@ def compile_template(source: str) -> jinja2.Template:
     """A sandboxed template with the options and helpers transformers gives chat templates."""
     if len(source) > MAX_CHAT_TEMPLATE_CHARS:
         raise GenerationError(f"the chat template has {len(source):,} characters, more than {MAX_CHAT_TEMPLATE_CHARS:,}")
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                       finalize=_finalize)
     env.filters.update(BOUNDED_FILTERS, tojson=_tojson)
     env.globals["raise_exception"] = _raise_exception
     return _limited("compile", lambda: env.from_string(source))

@@ -261,8 +261,8 @@ def test_a_looping_template_stops_at_the_deadline(files, monkeypatch, template):
 
 @pytest.mark.parametrize("template, match", [
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "wrote more than 1,000,000 characters"),
-    ("{{ 'x' * 10**9 }}", "repetition of 1,000,000,000 items"),
-    ("{{ [0] * 10**9 }}", "repetition of 1,000,000,000 items"),
+    ("{{ 'x' * 10**9 }}", "a repetition would hold 1,000,000,000 items and characters"),
+    ("{{ [0] * 10**9 }}", "a repetition would hold 1,000,000,000 items and characters"),
     ("{% set n = 10**9 %}{{ 2 ** n }}", "would exceed 1,048,576 bits"),
     ("{{ 'a'|center(4000000000) }}", "the center filter would write 4,000,000,000 characters, more than 1,000,000"),
     ("{{ '%1500000000d'|format(1) }}", "the format filter would write 1,500,000,013 characters"),
@@ -283,6 +283,9 @@ def test_a_looping_template_stops_at_the_deadline(files, monkeypatch, template):
     ("{{ [1]|batch(10**9, 0)|list }}", "the batch filter's fill would write"),
     ("{{ [[1, 2], [3]]|tojson(indent=10**9) }}", "the tojson filter would write"),
     ("{{ ('x' * 10).translate({120: 'y' * 900000}) }}", "str.translate would write 9,000,000 characters"),
+    ("{% set s = 'x' * 900000 %}{{ [s] * 1000 }}", "a repetition would hold 900,001,000 items and characters"),
+    ("{% set s = 'x' * 900000 %}{% set ns = namespace(items=[]) %}{% for i in range(1000) %}"
+     "{% set ns.items = ns.items + [s] %}{% endfor %}{{ ns.items }}", "printing a value would write"),
 ])
 def test_a_template_cannot_write_or_build_without_end(files, monkeypatch, template, match):
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CHARS", 10**6)
