@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .cuda.weights import PREFILL_WEIGHTS
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, GenerationError
 from .loader import Model
 from .sampling import GREEDY, SamplingParams
 
@@ -105,11 +105,11 @@ def cuda_available() -> bool:
 def make_backend(name: str, model: Model, num_pages: int, activations: str = "fp16",
                  prefill_weights: str = "auto") -> Backend:
     if activations not in ("fp16", "int8"):
-        raise ValueError(f"activations must be 'fp16' or 'int8', got {activations!r}")
+        raise GenerationError(f"activations must be 'fp16' or 'int8', got {activations!r:.80}")
     if prefill_weights not in PREFILL_WEIGHTS:
-        raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r}")
+        raise GenerationError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got {prefill_weights!r:.80}")
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+        raise GenerationError(f"unknown backend {name!r:.80}: choose one of {', '.join(BACKENDS)}")
     if name == "auto":
         name = "cuda" if cuda_available() else "numpy"
     if name == "numpy":

@@ -170,6 +170,8 @@ class Engine:
         self._lock = threading.RLock()  # re-entered by generate's steps and by close() inside a stream
         self._owner: _Request | None = None  # the request whose queued backend work is live
         self.backend = None
+        if not self._owns_model and model_or_path.closed:
+            raise GenerationError(f"{model_or_path.path}: the model is closed; load it again")
         self.model = load(model_or_path) if self._owns_model else model_or_path
         try:
             self._setup(backend, max_context, activations, prefill_weights)
@@ -211,6 +213,9 @@ class Engine:
         tokens come only from the chat template and the FIM markers, unless allow_special_tokens.
         """
         self._check_open()
+        for name, flag in (("chat", chat), ("allow_special_tokens", allow_special_tokens)):
+            if not isinstance(flag, (bool, np.bool_)):  # "false" is truthy: no string may stand for a flag
+                raise GenerationError(f"{name} must be True or False, got {flag!r:.40}")
         if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
             raise GenerationError("empty conversation: chat needs at least one message")
         if isinstance(prompt, str) or _is_messages(prompt):
@@ -245,6 +250,9 @@ class Engine:
     def _check_token_ids(self, ids, what: str, accepted: str) -> list[int]:
         if isinstance(ids, (bytes, bytearray, memoryview)):  # whose elements would pass for token ids
             raise GenerationError(f"{what} must be {accepted}, not bytes (decode text first), got {bytes(ids)!r:.80}")
+        if isinstance(ids, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in ids):
+            raise GenerationError(f"{what} must be {accepted}, not booleans (NumPy would read them as 0 and 1), "
+                                  f"got {ids!r:.80}")
         try:
             array = np.asarray(ids)
         except (ValueError, TypeError):  # ragged nesting, objects NumPy cannot hold

@@ -74,6 +74,24 @@ class LayerWeights:
     down: Int4Linear
 
 
+class _ClosedTensors(Mapping):
+    """A closed model's tensors: none, and a named error for any asked for by a reader (an engine
+    sharing the model) that outlived the close."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        raise NanoqwenFormatError(f"{self.path}: the model is closed, so its tensor {name!r} is no longer mapped; "
+                                  "load it again")
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 class Model:
     """A validated, memory-mapped .nanoqwen model. Build it with `nanoqwen.load`."""
 
@@ -150,9 +168,13 @@ class Model:
                 bar.update(self.tensors[name].nbytes)
         return out
 
+    @property
+    def closed(self) -> bool:
+        return isinstance(self.tensors, _ClosedTensors)
+
     def close(self) -> None:
         """Drop this model's views and unmap the file once no other view remains."""
-        self.tensors = {}
+        self.tensors = _ClosedTensors(self.path)
         try:
             self._mmap.close()
         except BufferError:
@@ -172,7 +194,11 @@ def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
     The model's tensors are views of the map: do not overwrite the file in place while it is
     loaded (see the module docstring); renaming a new file over it is safe.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise NanoqwenFormatError(f"a model path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}")
     path = Path(path)
+    if "\0" in str(path):
+        raise NanoqwenFormatError(f"{str(path)!r:.120}: a path cannot hold a NUL character")
     try:
         # Non-blocking, so that a FIFO is refused below instead of waiting for a writer for ever.
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))

@@ -335,8 +335,15 @@ def test_exact_fit_is_allowed(model):
 
 
 def test_engine_arguments(model):
-    with pytest.raises(ValueError, match="unknown backend"):
-        Engine(model, backend="tpu")
+    for arguments, message in (({"backend": "tpu"}, "unknown backend 'tpu'"), ({"activations": "fp8"}, "activations must be"),
+                               ({"prefill_weights": "bogus"}, "prefill_weights must be one of")):
+        with pytest.raises(GenerationError, match=message):
+            Engine(model, **arguments)
+    for path, message in ((None, "a model path must be a str or os.PathLike, got NoneType"),
+                          (b"model.nanoqwen", "a model path must be a str or os.PathLike, got bytes"),
+                          ("a\0b", "a path cannot hold a NUL character")):
+        with pytest.raises(nanoqwen.NanoqwenFormatError, match=message):
+            Engine(path)
     with pytest.raises(GenerationError, match="max_context"):
         Engine(model, max_context=model.config.max_position_embeddings + 1)
     with pytest.raises(GenerationError, match="max_context"):
@@ -395,3 +402,33 @@ def test_a_full_pool_is_a_generation_error(model):
     first.close()
     assert all_pages_free(engine)
     assert len(engine.generate([2] * 20, max_new_tokens=10, stop_token_ids=[]).token_ids) == 10
+
+
+@pytest.mark.parametrize("flag", ["chat", "allow_special_tokens"])
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None])
+def test_flags_take_only_booleans(engine, flag, value):
+    """A string from a config file would be truthy: "false" must not turn special tokens on."""
+    with pytest.raises(GenerationError, match=f"{flag} must be True or False"):
+        engine.generate("a<|im_end|>", max_new_tokens=1, **{flag: value})
+    assert all_pages_free(engine)
+
+
+@pytest.mark.parametrize("argument", ["prompt", "stop_token_ids"])
+def test_booleans_among_token_ids_are_refused(engine, argument):
+    arguments = {"prompt": [5, 6], "stop_token_ids": [7]}
+    arguments[argument] = [5, True, np.bool_(False)]
+    with pytest.raises(GenerationError, match="not booleans"):
+        engine.generate(arguments.pop("prompt"), max_new_tokens=2, **arguments)
+
+
+def test_a_closed_model_is_named_not_a_key_error(model):
+    shared = nanoqwen.load(model.path)
+    borrower = Engine(shared, backend="numpy")
+    owner_closed = nanoqwen.load(model.path)
+    owner_closed.close()
+    with pytest.raises(GenerationError, match="the model is closed; load it again"):
+        Engine(owner_closed, backend="numpy")
+    shared.close()  # while an engine still runs on it
+    with pytest.raises(nanoqwen.NanoqwenFormatError, match="the model is closed, so its tensor"):
+        borrower.generate([1, 2], max_new_tokens=2)
+    assert all_pages_free(borrower)
