@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 
 from .chat_template import compile_template, render
@@ -81,6 +82,8 @@ def check_unicode(text: str, what: str) -> None:
     Python decodes bytes that are not UTF-8 into such surrogates (argv, and files read with
     errors="surrogateescape"); the tokenizer takes only real Unicode text.
     """
+    if not isinstance(text, str):
+        raise GenerationError(f"{what} must be text (a str), got {type(text).__name__} {text!r:.60}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -411,7 +414,16 @@ class Tokenizer:
         return call_rust(self._failure("encode"), _literal_ids, self.backend, text)
 
     def decode(self, token_ids: Iterable[int]) -> str:
-        return call_rust(self._failure("decode"), _decode, self.backend, list(token_ids))
+        """The text of `token_ids`. An id past the tokenizer's vocabulary spells nothing, as in
+        transformers: a model's embedding has rows beyond it (Qwen2.5's 152,064 for 151,665 tokens)."""
+        try:
+            ids = list(token_ids)
+        except TypeError:
+            raise GenerationError(f"decode takes token ids, got {token_ids!r:.60}") from None
+        for token_id in ids:
+            if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)) or token_id < 0:
+                raise GenerationError(f"decode takes non-negative integer token ids, got {token_id!r:.40}")
+        return call_rust(self._failure("decode"), _decode, self.backend, [int(i) for i in ids])
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

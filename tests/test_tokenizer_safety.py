@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import nanoqwen
@@ -492,3 +493,16 @@ def test_crafted_blobs_are_one_cli_line_with_status_1(tmp_path, files, capsys, m
     status = cli_module.main(["generate", str(path), "hi", "--backend", "numpy", "--max-new-tokens", "2", *argv])
     stderr = capsys.readouterr().err
     assert status == 1 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def test_arguments_of_the_wrong_type_are_named(files):
+    tok = Tokenizer.from_files(blobs(files))
+    for call, message in ((lambda: tok.encode(None), "the text must be text"),
+                          (lambda: tok.encode_literal(5), "the text must be text"),
+                          (lambda: tok.decode(None), "decode takes token ids"),
+                          (lambda: tok.decode([65, True]), "non-negative integer token ids, got True"),
+                          (lambda: tok.decode([-1]), "non-negative integer token ids, got -1")):
+        with pytest.raises(GenerationError, match=message):
+            call()
+    beyond = tok.largest_token_id + 1  # a padded embedding row: spells nothing, as in transformers
+    assert tok.decode([beyond]) == "" and tok.decode([np.int64(tok.token_id("<|im_end|>"))]) == "<|im_end|>"
