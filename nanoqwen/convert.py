@@ -2,8 +2,8 @@
 
 Everything the engine would refuse is refused here, before a byte is written: a configuration
 it does not run (ModelConfig.from_hf), layers the configuration does not count, tensors of the
-wrong shape or with no place in the model, a tokenizer that does not build or whose ids exceed the vocabulary, a chat template
-that does not compile. The output is written by NanoqwenWriter (a new temporary file renamed
+wrong shape or with no place in the model, a tokenizer that does not build or whose ids exceed
+the vocabulary, a chat template that does not compile. The output is written by NanoqwenWriter (a new temporary file renamed
 into place) and may not lie inside the checkpoint, whose files it would replace.
 """
 

@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -318,7 +318,6 @@ class Tokenizer:
         self.generation_stop_ids = generation_stop_ids
         self._template = None  # compiled at the first chat: a broken template fails only chats
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
-        self._longest_token_bytes: int | None = None
         # The most tokens a text may need, set by whoever knows the context (None: no limit).
         # Text that cannot fit is refused before encoding: 20 MB take seconds and gigabytes.
         self.max_tokens: int | None = None
@@ -370,14 +369,12 @@ class Tokenizer:
         """The largest id the tokenizer can produce (-1 for an empty vocabulary)."""
         return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
 
-    @property
+    @cached_property
     def longest_token_bytes(self) -> int:
         """The UTF-8 length of the vocabulary's longest token, at least what it spells of the text
         (a ByteLevel token's characters stand for a byte each, "▁" for a space, "<0x41>" for one byte)."""
-        if self._longest_token_bytes is None:
-            vocabulary = self.backend.get_vocab(with_added_tokens=True)
-            self._longest_token_bytes = max((len(token.encode("utf-8")) for token in vocabulary), default=1)
-        return self._longest_token_bytes
+        vocabulary = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(token.encode("utf-8")) for token in vocabulary), default=1)
 
     def _check_fits(self, text: str) -> None:
         if self.max_tokens is None:
@@ -423,7 +420,12 @@ class Tokenizer:
         for token_id in ids:
             if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)) or token_id < 0:
                 raise GenerationError(f"decode takes non-negative integer token ids, got {token_id!r:.40}")
-        return call_rust(self._failure("decode"), _decode, self.backend, [int(i) for i in ids])
+        return self._decode_sampled([int(i) for i in ids])
+
+    def _decode_sampled(self, token_ids: list[int]) -> str:
+        """`decode` for ids the engine sampled, already ints of the model's vocabulary: StreamDecoder's
+        two calls per token skip the per-id check."""
+        return call_rust(self._failure("decode"), _decode, self.backend, token_ids)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -600,8 +602,8 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is unfinished)."""
         self.ids.append(token_id)
-        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        window = self.tokenizer.decode(self.ids[self.prefix :])
+        emitted = self.tokenizer._decode_sampled(self.ids[self.prefix : self.read])
+        window = self.tokenizer._decode_sampled(self.ids[self.prefix :])
         if len(window) > len(emitted) and not window.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return window[len(emitted) :]
@@ -609,7 +611,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back (an unfinished character decodes as U+FFFD)."""
-        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        rest = self.tokenizer.decode(self.ids[self.prefix :])[len(emitted) :]
+        emitted = self.tokenizer._decode_sampled(self.ids[self.prefix : self.read])
+        rest = self.tokenizer._decode_sampled(self.ids[self.prefix :])[len(emitted) :]
         self.prefix = self.read = len(self.ids)
         return rest
