@@ -184,8 +184,12 @@ class Engine:
         limit = self.config.max_position_embeddings
         if max_context is None:
             max_context = min(limit, DEFAULT_MAX_CONTEXT)
-        if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or not 0 < max_context <= limit:
-            raise GenerationError(f"max_context must be an integer in 1..{limit} (the model's context), got {max_context!r}")
+        if limit < 2:
+            raise GenerationError(f"the model's context of {limit} position holds no token past the prompt's first "
+                                  "(max_position_embeddings in its config)")
+        if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or not 1 < max_context <= limit:
+            raise GenerationError(f"max_context must be an integer in 2..{limit} (a prompt token and a generated one, "
+                                  f"up to the model's context), got {max_context!r}")
         self.max_context = int(max_context)
         self.allocator = PageAllocator(pages_needed(self.max_context))
         # The tokenizer first: a corrupt blob should fail in milliseconds, not after a GPU upload.
@@ -248,8 +252,8 @@ class Engine:
         return ids
 
     def _check_token_ids(self, ids, what: str, accepted: str) -> list[int]:
-        if isinstance(ids, (bytes, bytearray, memoryview)):  # whose elements would pass for token ids
-            raise GenerationError(f"{what} must be {accepted}, not bytes (decode text first), got {bytes(ids)!r:.80}")
+        if _is_bytes(ids):  # whose elements would pass for token ids
+            raise GenerationError(f"{what} must be {accepted}, not bytes (decode text first), got {bytes(ids[:80])!r:.80}")
         if isinstance(ids, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in ids):
             raise GenerationError(f"{what} must be {accepted}, not booleans (NumPy would read them as 0 and 1), "
                                   f"got {ids!r:.80}")
@@ -295,7 +299,10 @@ class Engine:
             if isinstance(stop_token_ids, (int, np.integer)) or (isinstance(stop_token_ids, np.ndarray)
                                                                   and stop_token_ids.ndim == 0):
                 stop_token_ids = [stop_token_ids]
-            elif not isinstance(stop_token_ids, (bytes, bytearray, memoryview)):
+            elif isinstance(stop_token_ids, Mapping):
+                raise GenerationError(f"stop_token_ids must be {accepted}, not a mapping (pass its keys or values "
+                                      f"as a list), got {stop_token_ids!r:.80}")
+            elif not _is_bytes(stop_token_ids):
                 try:
                     stop_token_ids = list(stop_token_ids)  # a set or a generator, once
                 except TypeError:
@@ -523,3 +530,11 @@ class Engine:
 def _is_messages(prompt) -> bool:
     """A conversation: a list holding a dict (the tokenizer then checks every message)."""
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and any(isinstance(m, Mapping) for m in prompt)
+
+
+def _is_bytes(ids) -> bool:
+    """Raw bytes (bytes, bytearray, or a memoryview of single bytes), whose elements would pass for
+    token ids; a memoryview of wider integers (array('i'), a NumPy buffer) holds token ids."""
+    if isinstance(ids, memoryview):
+        return ids.itemsize == 1
+    return isinstance(ids, (bytes, bytearray))

@@ -196,6 +196,8 @@ def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise NanoqwenFormatError(f"a model path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}")
+    if not os.fspath(path):
+        raise NanoqwenFormatError("a model path is empty")
     path = Path(path)
     if "\0" in str(path):
         raise NanoqwenFormatError(f"{str(path)!r:.120}: a path cannot hold a NUL character")

@@ -17,6 +17,7 @@ A real bug (a wrong RoPE position, a K/V row in the wrong page) moves logits by 
 
 from __future__ import annotations
 
+import array
 import gc
 import itertools
 
@@ -303,6 +304,9 @@ BAD_REQUESTS = [
     (dict(prompt="x", stop_token_ids=5.0), "stop_token_ids must be a token id or a flat sequence"),
     (dict(prompt="x", stop_token_ids=object()), "stop_token_ids must be a token id or a flat sequence"),
     (dict(prompt="x", stop_token_ids=[[1], [2, 3]]), "stop_token_ids must be a token id or a flat sequence"),
+    (dict(prompt="x", stop_token_ids={1: 2}), "not a mapping"),
+    (dict(prompt="x", stop_token_ids=memoryview(b"ab")), "not bytes"),
+    (dict(prompt=memoryview(bytearray(10**6))), "not bytes"),
     (dict(prompt=[1, 2], chat=True), "need a text prompt"),
     (dict(prompt=[1, 2], fim_suffix="y"), "need a text prompt"),
     (dict(prompt="x", chat=True, fim_suffix="y"), "cannot be combined"),
@@ -326,6 +330,15 @@ def test_error_classes():
     assert nanoqwen.GenerationError is GenerationError
 
 
+def test_a_memoryview_of_wide_integers_holds_token_ids(engine):
+    ids = array.array("i", [1, 2, 3])
+    expected = engine.generate([1, 2, 3], max_new_tokens=3, stop_token_ids=[]).token_ids
+    assert engine.generate(memoryview(ids), max_new_tokens=3, stop_token_ids=[]).token_ids == expected
+    stop = memoryview(array.array("q", [expected[1]]))  # the stop token ends the run, unemitted
+    stopped = engine.generate(ids, max_new_tokens=3, stop_token_ids=stop).token_ids
+    assert stopped == expected[:expected.index(expected[1])]
+
+
 def test_exact_fit_is_allowed(model):
     engine = Engine(model, backend="numpy", max_context=2 * PAGE_SIZE + 3)
     result = engine.generate([7] * (PAGE_SIZE + 3), max_new_tokens=PAGE_SIZE, stop_token_ids=[])
@@ -341,13 +354,14 @@ def test_engine_arguments(model):
             Engine(model, **arguments)
     for path, message in ((None, "a model path must be a str or os.PathLike, got NoneType"),
                           (b"model.nanoqwen", "a model path must be a str or os.PathLike, got bytes"),
-                          ("a\0b", "a path cannot hold a NUL character")):
+                          ("a\0b", "a path cannot hold a NUL character"), ("", "a model path is empty")):
         with pytest.raises(nanoqwen.NanoqwenFormatError, match=message):
             Engine(path)
     with pytest.raises(GenerationError, match="max_context"):
         Engine(model, max_context=model.config.max_position_embeddings + 1)
-    with pytest.raises(GenerationError, match="max_context"):
-        Engine(model, max_context=0)
+    for too_small in (0, 1):  # room for no generated token
+        with pytest.raises(GenerationError, match=r"max_context must be an integer in 2\.\."):
+            Engine(model, max_context=too_small)
     with pytest.raises(nanoqwen.NanoqwenFormatError):
         Engine("/nonexistent/model.nanoqwen")
     assert Engine(model).max_context == min(model.config.max_position_embeddings, 4096)
