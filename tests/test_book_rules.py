@@ -1,6 +1,6 @@
 """The book's house rules, checked on the sources (and on the built HTML when there is one).
 
-* a chapter is a sitting's read: at most 30 KB of source;
+* a chapter is a sitting's read: at most 25 KB of source;
 * a chapter ends with `## What we learned` (at most five bullets) and then `## Exercises`;
 * the product speaks of itself: no words of how the project was made (numbered work sessions and
   calls, experiment branches, issue numbers) in the tracked files of chapters/, book/,
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "chapters").glob("*.md"))
 BUILT_CHAPTERS = REPO / "_build" / "html" / "chapters"
 
-MAX_CHAPTER_BYTES = 30_000
+MAX_CHAPTER_BYTES = 25_000
 MAX_LEARNED_BULLETS = 5
 
 PRODUCT_PATHS = ("chapters", "book", "kernels", "nanoqwen", "tools", "results", "README.md", "ARCHITECTURE.md")
