@@ -203,9 +203,9 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="PROMPT is token ids separated by spaces or commas; print ids, not text")
 
 
-def _model_path(model: str | None) -> Path:
+def _model_path(model: str | None) -> str | Path:
     if model is not None:
-        return Path(model)
+        return model  # as given: Path("") would name the current folder
     if not DEFAULT_MODEL.exists():
         raise GenerationError(
             f"no MODEL given and the shipped nano-coder is missing ({DEFAULT_MODEL} does not exist); "

@@ -122,6 +122,9 @@ def test_generate_token_ids(capsys, model_path):
     (["generate", "{model}", "999999", "--token-ids"], "outside the vocabulary"),
     (["generate", "{missing}", "x"], "cannot open"),
     (["inspect", "{missing}"], "cannot open"),
+    (["generate", "", "x"], "a model path is empty"),
+    (["inspect", ""], "a model path is empty"),
+    (["generate", "{model}", "x", "--max-context", "1"], "max_context must be an integer in 2.."),
     (["convert", "{missing}", "{missing}.out"], "not a checkpoint directory"),
 ])
 def test_errors_are_one_line_with_status_1(capsys, model_path, tmp_path, argv, message):
