@@ -27,6 +27,7 @@ import numpy as np
 
 from . import __version__
 from .errors import ConfigError, NanoqwenFormatError, CheckpointError, GenerationError, ContextLengthError, BackendUnavailableError
+from .sampling import DEFAULT_MAX_NEW_TOKENS
 
 SHIPPED_MODELS = Path(__file__).parent / "models"
 DEFAULT_MODEL = SHIPPED_MODELS / "nano-coder" / "nano-coder.nanoqwen"
@@ -165,7 +166,8 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"at most N new tokens ({DEFAULT_MAX_NEW_TOKENS} by default)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) keeps every token")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass, 1 (default) keeps every token")

@@ -48,7 +48,7 @@ from .errors import (
 )
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
-from .sampling import SamplingParams, sample
+from .sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams, sample
 from .speculative import MAX_DRAFTS, DraftSchedule, PromptLookup
 from .tokenizer import StreamDecoder, Tokenizer, check_unicode
 
@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens; the 7B allows 32768, but its KV cache would be 1.8 GB
-DEFAULT_MAX_NEW_TOKENS = 256
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ __all__ = ["GREEDY", "SamplingParams", "gumbel_noise", "sample"]
 # The largest temperature accepted. Each key is rounded to float32 (as the kernel's candidates
 # are), and temperature * noise must stay far inside its range; a softmax at 1e30 is uniform anyway.
 MAX_TEMPERATURE = 1e30
+# A request's length when it names none (Engine.generate, and the CLI's --max-new-tokens).
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 
