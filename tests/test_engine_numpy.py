@@ -330,6 +330,12 @@ def test_error_classes():
     assert nanoqwen.GenerationError is GenerationError
 
 
+def test_a_model_of_one_position_is_refused(tmp_path):
+    model = nanoqwen.load(make_nanoqwen(tmp_path, tokenizer=False, max_position_embeddings=1))
+    with pytest.raises(GenerationError, match="holds no token past the prompt's first"):
+        Engine(model, backend="numpy")
+
+
 def test_a_memoryview_of_wide_integers_holds_token_ids(engine):
     ids = array.array("i", [1, 2, 3])
     expected = engine.generate([1, 2, 3], max_new_tokens=3, stop_token_ids=[]).token_ids
