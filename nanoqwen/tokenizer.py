@@ -380,6 +380,8 @@ class Tokenizer:
         if self.max_tokens is None:
             return
         spelled = self.max_tokens * self.longest_token_bytes
+        if 4 * len(text) <= spelled * NORMALIZATION_SLACK:  # UTF-8 spends at most 4 bytes a character
+            return  # fits without encoding the text a second time (check_unicode has just encoded it)
         size = len(text.encode("utf-8"))
         if size > spelled * NORMALIZATION_SLACK:
             raise GenerationError(
