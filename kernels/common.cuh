@@ -95,17 +95,65 @@ __device__ __forceinline__ void trace_time(unsigned long long* times, unsigned i
   if (slot < nq_trace_capacity) times[slot] = now;
 }
 #endif
-__device__ __forceinline__ void let_next_kernel_launch() {
+// Compiled with -DNQ_TRACE_BLOCKS (tools/block_trace.py), the kernels that end with
+// trace_block_done() record every block that did work: its SM, when it started, when its wait
+// returned and when it finished, each kernel under its TRACED_* number. Thread 0 notes the first two
+// moments in shared memory, 16 bytes a block that the timeline above avoids, so the two are separate
+// builds; the block's `recorder`, a thread that finishes with the block's work, writes the record.
+constexpr int TRACED_QKV_ROPE = 1;
+constexpr int TRACED_ATTENTION = 2;
+constexpr int TRACED_COMBINE = 3;
+constexpr int TRACED_FROM_Q_DIM = 4;
+constexpr int TRACED_GATE_UP = 5;
+constexpr int TRACED_FROM_INTERMEDIATE = 6;
+constexpr int TRACED_FROM_HIDDEN = 7;
+#ifdef NQ_TRACE_BLOCKS
+// Set by the host; until then (capacity 0) nothing is recorded.
+__device__ unsigned long long* nq_block_records;  // [capacity][4]: kernel << 56 | SM << 40 | blockIdx.y << 20 | blockIdx.x, moments
+__device__ unsigned int nq_block_count;
+__device__ unsigned int nq_block_capacity;
+__shared__ volatile unsigned long long nq_block_moments[2];  // started, wait returned
+#endif
+__device__ __forceinline__ void trace_block_done(int kernel, int recorder) {
+#ifdef NQ_TRACE_BLOCKS
+  if (threadIdx.x != recorder || nq_block_capacity == 0) return;
+  unsigned int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const unsigned long long done = global_time_ns();
+  const unsigned int slot = atomicAdd(&nq_block_count, 1u);
+  if (slot >= nq_block_capacity) return;
+  unsigned long long* record = nq_block_records + 4ull * slot;
+  record[0] = (unsigned long long)kernel << 56 | (unsigned long long)sm << 40 | (unsigned long long)blockIdx.y << 20 |
+              blockIdx.x;
+  record[1] = nq_block_moments[0];
+  record[2] = nq_block_moments[1];
+  record[3] = done;
+#endif
+}
+// The two traces' moments: the kernel started, its wait returned (nothing without -D).
+__device__ __forceinline__ void trace_started() {
 #ifdef NQ_TRACE
   trace_time(nq_trace_starts, nq_trace_counters);
 #endif
+#ifdef NQ_TRACE_BLOCKS
+  if (threadIdx.x == 0) nq_block_moments[0] = global_time_ns();
+#endif
+}
+__device__ __forceinline__ void trace_waited() {
+#ifdef NQ_TRACE
+  trace_time(nq_trace_releases, nq_trace_counters + 1);
+#endif
+#ifdef NQ_TRACE_BLOCKS
+  if (threadIdx.x == 0) nq_block_moments[1] = global_time_ns();
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_launch() {
+  trace_started();
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 __device__ __forceinline__ void wait_for_previous_kernel() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#ifdef NQ_TRACE
-  trace_time(nq_trace_releases, nq_trace_counters + 1);
-#endif
+  trace_waited();
 }
 
 // ---------------------------------------------------------------- half precision as bits

@@ -466,20 +466,22 @@ __device__ __forceinline__ void gemv_int4_split_k(const unsigned int* __restrict
 // One kernel per input width, so that K (and the ring depth) is a compile-time constant in each;
 // NAME_ring_bytes, one warp's ring, is read by the host to size the launch.
 // grid (ceil(n_rows / 16)), block (32 splits, splits <= SPLIT_K_MAX_WARPS), splits rings of shared memory
-#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES, AHEAD, MIN_BLOCKS)                                            \
+#define NQ_GEMV_INT4_KERNEL(NAME, K, STAGES, AHEAD, MIN_BLOCKS, TRACED)                                    \
   __device__ int NAME##_ring_bytes = sizeof(GemvRing<STAGES, 1>);                                          \
   extern "C" __global__ void __launch_bounds__(SPLIT_K_MAX_WARPS * WARP_SIZE, MIN_BLOCKS)                  \
       NAME(const unsigned int* __restrict__ qweight, const unsigned short* __restrict__ scales,            \
            const unsigned short* __restrict__ bias, const unsigned short* x, float* __restrict__ y,        \
            int n_rows) {                                                                                   \
     gemv_int4_split_k<K, STAGES, AHEAD>(qweight, scales, bias, x, y, n_rows);                              \
+    trace_block_done(TRACED, 0);                                                                           \
   }
 
 // q|k|v and o request their ranges' first groups before the wait (AHEAD: the whole range where it
 // fits the ring); down_proj's 15 groups per warp do not fit a ring.
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true, CHAIN_GEMV_MIN_BLOCKS)
-NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false, 1)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_hidden, NQ_HIDDEN, NQ_FROM_HIDDEN_STAGES, true, CHAIN_GEMV_MIN_BLOCKS, TRACED_FROM_HIDDEN)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_q_dim, NQ_Q_DIM, NQ_FROM_Q_DIM_STAGES, true, CHAIN_GEMV_MIN_BLOCKS, TRACED_FROM_Q_DIM)
+NQ_GEMV_INT4_KERNEL(gemv_int4_from_intermediate, NQ_INTERMEDIATE, NQ_FROM_INTERMEDIATE_STAGES, false, 1,
+                    TRACED_FROM_INTERMEDIATE)
 
 // Decode's q|k|v projection with RoPE and the cache write in its epilogue: what gemv_int4_from_hidden
 // and rope_write_kv (elementwise.cu) do one after the other, in one kernel.
@@ -566,6 +568,7 @@ gemv_int4_qkv_rope(const unsigned int* __restrict__ qweight, const unsigned shor
   const bool first = threadIdx.x < ROPE_PAIRS_PER_TILE;  // dim i, not i + head_dim/2
   store_qkv_dim(head_slot, dim, total, rope_rotate(total, partner, c, s, first), page, position % NQ_PAGE_SIZE,
                 kv_layer, q_out);
+  trace_block_done(TRACED_QKV_ROPE, 0);
 }
 
 // The MLP's first half with SwiGLU fused: h = silu(gate x) * (up x), as fp16 for down_proj.
@@ -628,6 +631,7 @@ gemv_int4_gate_up_silu(const unsigned int* __restrict__ qweight, const unsigned 
   add_splits(split_sums, acc, start, total);
   const int row = blockIdx.x * TILE_ROWS + threadIdx.x;
   if (threadIdx.x < TILE_ROWS && row < NQ_INTERMEDIATE) h[row] = float_to_half(silu_times(total[0], total[1]));
+  trace_block_done(TRACED_GATE_UP, 0);
 }
 
 // Prefill multiplies whole prompts, which cuBLAS does best from fp16 matrices: this expands a

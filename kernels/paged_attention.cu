@@ -204,11 +204,15 @@ PA_DECODE_KERNEL(const float* q,                              // [rows, num_head
 
   store_consumer_totals(consumer, lane, one_page, active_splits, kv_head, split_row_of(kv_head, split, splits), m, l, o,
                         sh.warp_max, sh.warp_sum, sh.warp_acc, out, partial_max_sum, partial_acc);
-  if (one_page) return;
+  if (one_page) {
+    trace_block_done(TRACED_ATTENTION, WARP_SIZE);  // consumer warp 0, the block's last
+    return;
+  }
   named_barrier_sync<DECODE_CONSUMER_THREADS>(DECODE_CONSUMERS_BARRIER);  // the producer, maybe gone, is not waited for
   for (int e = threadIdx.x - WARP_SIZE; e < PA_GQA * PA_D; e += DECODE_CONSUMER_THREADS)
     merge_consumer_element(e, active_splits, kv_head, split_row_of(kv_head, split, splits), sh.warp_max, sh.warp_sum,
                            sh.warp_acc, out, partial_max_sum, partial_acc);
+  trace_block_done(TRACED_ATTENTION, WARP_SIZE);
 }
 
 // ---------------------------------------------------------------- combine
@@ -239,6 +243,7 @@ paged_attention_combine(const int* seq_len_ptr, const float* partial_max_sum,
   if (active_splits == 1) return;  // the decode kernel wrote the output itself
   combine_head(blockIdx.x, blockIdx.y, threadIdx.x / WARP_SIZE, threadIdx.x % WARP_SIZE, splits, active_splits,
                partial_max_sum, partial_acc, out, sh, [] { __syncthreads(); });
+  trace_block_done(TRACED_COMBINE, 0);
 }
 
 // ====================================================================== prefill

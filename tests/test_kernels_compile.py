@@ -65,7 +65,7 @@ def test_every_gemv_has_a_ring_depth_a_carve_out_and_a_ring_size():
     assert GEMV_STAGES_MACROS.keys() == GEMV_CARVEOUT_PERCENT.keys() == GEMV_MAX_WARPS.keys()
     for kernel, macro in GEMV_STAGES_MACROS.items():
         assert re.fullmatch(r"[1-9]\d*", depths.get(macro, "")), macro
-        split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}, \w+, \w+\)", source)
+        split_k = re.search(rf"NQ_GEMV_INT4_KERNEL\({kernel}, \w+, {macro}, \w+, \w+,\s*\w+\)", source)
         assert split_k or f"__device__ int {kernel}_ring_bytes" in source, kernel
 
 

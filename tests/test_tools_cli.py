@@ -34,6 +34,7 @@ GPU_TOOLS = {
     "decode_by_size": ["--out", "{tmp}/decode-by-size"],
     "gpu_check_attention": ["--quick"],
     "step_timeline": ["{tmp}/model.nanoqwen"],
+    "block_trace": ["{tmp}/model.nanoqwen"],
     "check_by_size": ["--out", "{tmp}/check-by-size"],
 }
 

@@ -54,13 +54,13 @@ LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down 
           "lm_head_logits": "lm_head", "argmax_select_next": "argmax", "embed_tokens": "embed_tokens"}
 
 
-def traced_backend(model, prompt_tokens: int):
+def traced_backend(model, prompt_tokens: int, define: str = "NQ_TRACE"):
     """A CudaBackend holding a prompt of `prompt_tokens` tokens, its kernel modules compiled with
-    NQ_TRACE; returns (backend, page_table, modules)."""
+    `define` (NQ_TRACE, or tools/block_trace.py's NQ_TRACE_BLOCKS); returns (backend, page_table, modules)."""
     modules, compile_module = [], build.compile_module
 
     def compile_traced(config, files=build.DECODER_KERNEL_FILES, extra_defines=None):
-        module = compile_module(config, files, {**(extra_defines or {}), "NQ_TRACE": "1"})
+        module = compile_module(config, files, {**(extra_defines or {}), define: "1"})
         modules.append(module)
         return module
 
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
             print(f"{r['operation']:18s} {r['share_us_per_step']:8.1f} {r['share_us_per_layer']:9.2f} {floor:>11s} "
                   f"{r['handoff_us_per_layer']:9.2f} {r['blocks_taking_part']:6.0f}")
     if args.json:
-        record = step_timing_record("tools/step_timeline.py", argv or sys.argv[1:], [])
+        record = step_timing_record("tools/step_timeline.py", argv or sys.argv[1:], [], args.context)
         record.pop("rows", None)
         record.update(summary, byte_floor_us=floor_us, read_bandwidth_bytes_per_s=bandwidth, launch_names=names,
                       start_ns=(start - start[:, :1]).tolist(), released_ns=(released - start[:, :1]).tolist(),

@@ -201,16 +201,17 @@ def step_launch_names(backend) -> list[str]:
     return names
 
 
-def step_timing_record(tool: str, argv: list[str], rows: list[dict]) -> dict:
+def step_timing_record(tool: str, argv: list[str], rows: list[dict], prompt_tokens: int = STEP_PROMPT_TOKENS) -> dict:
     """A step-level tool's rows with where and when they were measured (UTC date and minute, the
-    GPU's name, the command) and the protocol they start from, ready for results/."""
+    GPU's name, the command) and the protocol they start from (the steps follow a prompt of
+    `prompt_tokens`), ready for results/."""
     import cupy as cp
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
         "command": " ".join([tool, *argv]),
-        "prompt_tokens": STEP_PROMPT_TOKENS,
+        "prompt_tokens": prompt_tokens,
         "steps_per_timing": TIMING_STEPS,
         "rows": rows,
     }
