@@ -113,6 +113,7 @@ def record_block_steps(backend, page_table, prompt_tokens: int, modules, steps: 
     for _ in range(steps):
         for count, _ in traced:
             count.fill(0)
+        cp.cuda.Device().synchronize()  # the counters are zeroed on CuPy's stream, not the step's
         step_ms += gpu_times_ms(backend.stream, graph.launch, 1, warmup=0)
         counts = [int(count.get()[0]) for count, _ in traced]
         if max(counts) > RECORDS_PER_MODULE:
