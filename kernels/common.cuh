@@ -107,9 +107,12 @@ constexpr int TRACED_FROM_Q_DIM = 4;
 constexpr int TRACED_GATE_UP = 5;
 constexpr int TRACED_FROM_INTERMEDIATE = 6;
 constexpr int TRACED_FROM_HIDDEN = 7;
+// A block's record: kernel << BLOCK_RECORD_KERNEL_SHIFT | SM, then the three moments (ns).
+constexpr int BLOCK_RECORD_WORDS = 4;
+constexpr int BLOCK_RECORD_KERNEL_SHIFT = 32;
 #ifdef NQ_TRACE_BLOCKS
 // Set by the host; until then (capacity 0) nothing is recorded.
-__device__ unsigned long long* nq_block_records;  // [capacity][4]: kernel << 56 | SM << 40 | blockIdx.y << 20 | blockIdx.x, moments
+__device__ unsigned long long* nq_block_records;  // [capacity][BLOCK_RECORD_WORDS]
 __device__ unsigned int nq_block_count;
 __device__ unsigned int nq_block_capacity;
 __shared__ volatile unsigned long long nq_block_moments[2];  // started, wait returned
@@ -122,10 +125,9 @@ __device__ __forceinline__ void trace_block_done(int kernel, int recorder) {
   const unsigned long long done = global_time_ns();
   const unsigned int slot = atomicAdd(&nq_block_count, 1u);
   if (slot >= nq_block_capacity) return;
-  unsigned long long* record = nq_block_records + 4ull * slot;
-  record[0] = (unsigned long long)kernel << 56 | (unsigned long long)sm << 40 | (unsigned long long)blockIdx.y << 20 |
-              blockIdx.x;
-  record[1] = nq_block_moments[0];
+  unsigned long long* record = nq_block_records + (unsigned long long)BLOCK_RECORD_WORDS * slot;
+  record[0] = (unsigned long long)kernel << BLOCK_RECORD_KERNEL_SHIFT | sm;
+  record[1] = nq_block_moments[0];  // thread 0's, noted microseconds before; no barrier orders them
   record[2] = nq_block_moments[1];
   record[3] = done;
 #endif

@@ -14,13 +14,13 @@ block_trace = load_tool("block_trace")
 NUMBER = {name: number for number, name in block_trace.TRACED.items()}
 
 
-def packed(kernel: int, sm: int, block: int, started: int, waited: int, finished: int) -> list[int]:
+def packed(kernel: int, sm: int, started: int, waited: int, finished: int) -> list[int]:
     """One record as trace_block_done writes it (kernels/common.cuh)."""
-    return [kernel << 56 | sm << 40 | block, started, waited, finished]
+    return [kernel << block_trace.KERNEL_SHIFT | sm, started, waited, finished]
 
 
 def test_records_unpack_as_the_kernels_pack_them():
-    words = np.array([packed(5, 131, 1727, 10, 20, 30), packed(2, 7, 3 << 20 | 40, 1, 2, 3)], dtype=np.uint64)
+    words = np.array([packed(5, 131, 10, 20, 30), packed(2, 7, 1, 2, 3)], dtype=np.uint64)
     records = block_trace.decode_records(words)
     assert records["kernel"].tolist() == [5, 2]
     assert records["sm"].tolist() == [131, 7]
@@ -34,9 +34,9 @@ def two_layers(o_sms: list[int], combine_sms: list[int]) -> dict[str, np.ndarray
     rows = []
     for layer in range(2):
         base = layer * 100_000
-        rows += [packed(combine, sm, b, base, base + 1_000, base + 4_000) for b, sm in enumerate(combine_sms)]
+        rows += [packed(combine, sm, base, base + 1_000, base + 4_000) for sm in combine_sms]
         wait = base + 6_000
-        rows += [packed(o, sm, b, wait - 5_000 + b, wait + b % 3, wait + 3_000 + 1_000 * (b % 5))
+        rows += [packed(o, sm, wait - 5_000 + b, wait + b % 3, wait + 3_000 + 1_000 * (b % 5))
                  for b, sm in enumerate(o_sms)]
     rng = np.random.default_rng(0)
     return block_trace.decode_records(np.array(rng.permutation(rows), dtype=np.uint64))  # in no order, as atomics take slots

@@ -39,15 +39,17 @@ TRACED = {kernel_int("common.cuh", f"TRACED_{suffix}"): name for suffix, name in
     ("QKV_ROPE", QKV_ROPE_KERNEL), ("FROM_HIDDEN", GEMV_KERNELS["qkv"]), ("ATTENTION", "paged_attention_decode"),
     ("COMBINE", "paged_attention_combine"), ("FROM_Q_DIM", GEMV_KERNELS["o"]), ("GATE_UP", "gemv_int4_gate_up_silu"),
     ("FROM_INTERMEDIATE", GEMV_KERNELS["down"]))}
-RECORD_WORDS = 4  # kernel | SM | block, started, wait returned, finished
+RECORD_WORDS = kernel_int("common.cuh", "BLOCK_RECORD_WORDS")  # kernel | SM, started, wait returned, finished
+KERNEL_SHIFT = kernel_int("common.cuh", "BLOCK_RECORD_KERNEL_SHIFT")
 RECORDS_PER_MODULE = 1 << 18  # a step of the 32B records about 180,000 blocks of its GEMVs
 
 
 def decode_records(words: np.ndarray) -> dict[str, np.ndarray]:
-    """Block records (uint64 [n, 4], as trace_block_done writes them) as columns: kernel number,
+    """Block records (uint64 [n, RECORD_WORDS], as trace_block_done writes them) as columns: kernel number,
     SM, and the three moments in ns."""
     key = words[:, 0].astype(np.uint64)
-    return {"kernel": (key >> np.uint64(56)).astype(np.int64), "sm": ((key >> np.uint64(40)) & np.uint64(0xFFFF)).astype(np.int64),
+    return {"kernel": (key >> np.uint64(KERNEL_SHIFT)).astype(np.int64),
+            "sm": (key & np.uint64((1 << KERNEL_SHIFT) - 1)).astype(np.int64),
             "started": words[:, 1].astype(np.int64), "waited": words[:, 2].astype(np.int64),
             "finished": words[:, 3].astype(np.int64)}
 
@@ -149,8 +151,7 @@ def main(argv=None) -> int:
         print(f"{r['label']:22s} {r['blocks']:6.0f} {r['sms']:6.1f} {r['most_on_one_sm']:7d} {r['head_start_us']:10.2f} "
               f"{r['median_finished_us']:11.2f} {r['last_finished_us']:9.2f}")
     if args.json:
-        record = step_timing_record("tools/block_trace.py", argv or sys.argv[1:], rows, args.context)
-        record.pop("steps_per_timing")  # each step here is a graph replay of its own
+        record = step_timing_record("tools/block_trace.py", argv or sys.argv[1:], rows, args.context, steps=1)
         record.update(steps=args.steps, sms=sms, step_ms=step_ms)
         args.json.write_text(json.dumps(record, indent=1))
     model.close()

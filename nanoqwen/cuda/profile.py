@@ -201,10 +201,11 @@ def step_launch_names(backend) -> list[str]:
     return names
 
 
-def step_timing_record(tool: str, argv: list[str], rows: list[dict], prompt_tokens: int = STEP_PROMPT_TOKENS) -> dict:
+def step_timing_record(tool: str, argv: list[str], rows: list[dict], prompt_tokens: int = STEP_PROMPT_TOKENS,
+                       steps: int = TIMING_STEPS) -> dict:
     """A step-level tool's rows with where and when they were measured (UTC date and minute, the
-    GPU's name, the command) and the protocol they start from (the steps follow a prompt of
-    `prompt_tokens`), ready for results/."""
+    GPU's name, the command) and the protocol they start from (each timing `steps` decode steps
+    after a prompt of `prompt_tokens`), ready for results/."""
     import cupy as cp
 
     return {
@@ -212,7 +213,7 @@ def step_timing_record(tool: str, argv: list[str], rows: list[dict], prompt_toke
         "gpu": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
         "command": " ".join([tool, *argv]),
         "prompt_tokens": prompt_tokens,
-        "steps_per_timing": TIMING_STEPS,
+        "steps_per_timing": steps,
         "rows": rows,
     }
 
