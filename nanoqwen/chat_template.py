@@ -81,17 +81,6 @@ def _deadline(seconds: float) -> Iterator[None]:
         timer.cancel()
 
 
-def _repeat_length(left, right) -> int:
-    """Length of `left * right` when it repeats a string or a list, else 0; a list's strings count
-    their characters, which printing the list would write."""
-    for sequence, count in ((left, right), (right, left)):
-        if isinstance(sequence, str) and isinstance(count, int):
-            return len(sequence) * count
-        if isinstance(sequence, (list, tuple)) and isinstance(count, int):
-            return (len(sequence) + sum(len(item) for item in sequence if isinstance(item, str))) * count
-    return 0
-
-
 def _printed_length(value, limit: int) -> int:
     """Roughly len(str(value)) for a container: its strings' characters and a few for anything
     else, walked only until the sum passes `limit` (str() itself is one call the deadline cannot stop)."""
@@ -110,6 +99,21 @@ def _printed_length(value, limit: int) -> int:
         else:
             length += 8  # a number, None, a boolean
     return length
+
+
+def _repeat_length(left, right) -> int:
+    """Characters that printing `left * right` would write when it repeats a string (exactly) or a
+    list (as _printed_length counts them, walked no further than the limit needs), else 0."""
+    for sequence, count in ((left, right), (right, left)):
+        if not isinstance(count, int) or count <= 0:
+            continue
+        if isinstance(sequence, str):
+            return len(sequence) * count
+        if isinstance(sequence, (list, tuple)) and sequence:
+            brackets = 2  # printed once, however often the items repeat
+            items = _printed_length(sequence, MAX_TEMPLATE_CHARS // count + brackets) - brackets
+            return items * count + brackets
+    return 0
 
 
 def _finalize(value):
@@ -235,9 +239,8 @@ class _Environment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "%"})
 
     def call_binop(self, context, operator, left, right):
-        if operator == "*" and _repeat_length(left, right) > MAX_TEMPLATE_CHARS:
-            raise SecurityError(f"a repetition would hold {_repeat_length(left, right):,} items and characters, "
-                                f"more than {MAX_TEMPLATE_CHARS:,}")
+        if operator == "*":
+            _check_length(_repeat_length(left, right), "a repetition")
         if (operator == "**" and isinstance(left, int) and isinstance(right, int)
                 and left.bit_length() * abs(right) > MAX_POWER_BITS):
             raise SecurityError(f"a {left.bit_length()}-bit integer ** {right} would exceed {MAX_POWER_BITS:,} bits")
