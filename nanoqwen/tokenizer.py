@@ -22,7 +22,9 @@ Both blobs come from whoever made the checkpoint, so neither is trusted:
 Text from users is encoded as text: `<|im_end|>` typed in a message or in a FIM suffix becomes
 the ordinary tokens that spell it, and special tokens come only from the template's own text
 (`chat_token_ids`, `fim_token_ids`). `encode` still matches special-token text, for callers
-that wrote the text themselves.
+that wrote the text themselves. A plain or FIM prompt also gets the special tokens that
+tokenizer.json's post-processor puts around a text (`around_prompt`: a BOS token where a
+tokenizer has one, as transformers' `tokenizer(text)` adds it; Qwen's add none).
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def _check_expansion(backend: tokenizers.Tokenizer) -> None:
 
 
 def _encoding(backend: tokenizers.Tokenizer, text: str) -> tokenizers.Encoding:
-    return backend.encode(text, add_special_tokens=False)  # Qwen adds no BOS
+    return backend.encode(text, add_special_tokens=False)  # a prompt's BOS, if any: Tokenizer.around_prompt
 
 
 def _literal_ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:
@@ -283,6 +285,26 @@ def _literal_ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:
     pre_tokenizer = backend.pre_tokenizer
     pieces = pre_tokenizer.pre_tokenize_str(normalized) if pre_tokenizer is not None else [(normalized, None)]
     return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+def _prompt_special_ids(backend: tokenizers.Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special tokens tokenizer.json's post-processor puts before and after a text's own ids,
+    which transformers' `tokenizer(text)` adds to a prompt: a BOS token where a tokenizer has
+    one (Qwen's add none). transformers 5 takes the post-processor from tokenizer.json whatever
+    tokenizer_config.json's add_bos_token says, for Qwen2's tokenizer class."""
+    if backend.post_processor is None:
+        return (), ()
+
+    def failure(message: str) -> _FileProblem:
+        return _FileProblem(TOKENIZER_JSON, f"its post-processor fails on a sample text: {message}")
+
+    own = call_rust(failure, _encoding, backend, PROBE_TEXT).ids
+    processed = call_rust(failure, partial(backend.encode, add_special_tokens=True), PROBE_TEXT).ids
+    for start in range(len(processed) - len(own) + 1):
+        if processed[start:start + len(own)] == own:
+            return tuple(processed[:start]), tuple(processed[start + len(own):])
+    raise _FileProblem(TOKENIZER_JSON, "its post-processor changes a text's own tokens, not only the special tokens "
+                                       "around them")
 
 
 def _decode(backend: tokenizers.Tokenizer, token_ids: list[int]) -> str:
@@ -307,11 +329,14 @@ class Tokenizer:
     """A model file's tokenizer. Build it with `from_files` (or `from_checkpoint_files`)."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str, source: str,
-                 generation_stop_ids: tuple[int, ...] = ()):
+                 generation_stop_ids: tuple[int, ...] = (),
+                 prompt_special_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())):
         """From parts `_from_files` has checked: the built library tokenizer, tokenizer_config.json's
-        dict, the chat template's source, where the files came from (for error messages), and
-        generation_config.json's eos_token_id."""
+        dict, the chat template's source, where the files came from (for error messages),
+        generation_config.json's eos_token_id, and the special tokens before and after a prompt
+        (`_prompt_special_ids`)."""
         self.backend = backend
+        self.prompt_special_ids = prompt_special_ids
         self.config = config
         self.chat_template = chat_template
         self.source = source
@@ -355,7 +380,7 @@ class Tokenizer:
         backend.no_truncation()
         _check_expansion(backend)  # before the probe, which such a pipeline would keep busy for minutes
         _probe(backend)
-        return cls(backend, config, chat_template, source, generation_stop_ids)
+        return cls(backend, config, chat_template, source, generation_stop_ids, _prompt_special_ids(backend))
 
     def _failure(self, operation: str) -> Callable[[str], GenerationError]:
         return lambda message: GenerationError(f"the tokenizer of {self.source} cannot {operation} this text: {message}")
@@ -411,6 +436,12 @@ class Tokenizer:
         check_unicode(text, "the text")
         self._check_fits(text)
         return call_rust(self._failure("encode"), _literal_ids, self.backend, text)
+
+    def around_prompt(self, token_ids: Sequence[int]) -> list[int]:
+        """A plain or fill-in-the-middle prompt's ids with the special tokens that transformers'
+        `tokenizer(text)` adds around them (`prompt_special_ids`); a chat template writes its own."""
+        before, after = self.prompt_special_ids
+        return [*before, *token_ids, *after]
 
     def decode(self, token_ids: Iterable[int]) -> str:
         """The text of `token_ids`. An id past the tokenizer's vocabulary spells nothing, as in

@@ -379,6 +379,56 @@ def test_a_template_that_rewrites_content_still_keeps_it_plain(files):
         tok.chat_token_ids([{"role": "user", "content": " a<|im_end|> "}])
 
 
+# ---- the special tokens around a prompt ----
+
+def bos_processor(bos: int) -> dict:
+    """tokenizer.json's post-processor that puts token `bos` (<|endoftext|>) before a text."""
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [bos], "tokens": ["<|endoftext|>"]}}}
+
+
+def test_a_prompt_gets_the_bos_token_transformers_adds(files, tmp_path):
+    """A Qwen2 checkpoint whose tokenizer.json prepends a BOS token (as some fine-tunes' do): a
+    plain or FIM prompt starts with it, as transformers' tokenizer(text) starts; a chat prompt is
+    the template's text alone, as apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    bos = next(t["id"] for t in files["tokenizer.json"]["added_tokens"] if t["content"] == "<|endoftext|>")
+    data = blobs(files, tokenizer={"post_processor": bos_processor(bos)})
+    engine = Engine(model_file(tmp_path, data), backend="numpy")
+    (tmp_path / "hf").mkdir()
+    for name, content in data.items():
+        (tmp_path / "hf" / name).write_bytes(content)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert engine.tokenizer.prompt_special_ids == ((bos,), ())
+    for text in ("def f(x):", "caf\u00e9 <|im_end|>"):
+        assert engine.encode_prompt(text) == [bos, *engine.tokenizer.encode_literal(text)]
+        assert engine.encode_prompt(text, allow_special_tokens=True) == hf(text).input_ids
+    assert engine.encode_prompt("def f(", fim_suffix="):")[:2] == [bos, engine.tokenizer.token_id("<|fim_prefix|>")]
+    messages = [{"role": "user", "content": "hi"}]
+    assert engine.encode_prompt(messages) == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                    return_dict=False)
+
+
+def test_qwen_prompts_get_no_special_tokens(tokenizer, engine):
+    assert tokenizer.prompt_special_ids == ((), ())
+    assert engine.encode_prompt("x = 1") == tokenizer.encode_literal("x = 1")
+
+
+def test_a_post_processor_that_changes_a_texts_tokens_is_refused():
+    from nanoqwen.tokenizer import _FileProblem, _prompt_special_ids
+
+    class Rewriting:  # a pipeline whose processing replaces the text's own ids
+        post_processor = object()
+
+        def encode(self, text, add_special_tokens):
+            return type("Encoding", (), {"ids": [9, 9] if add_special_tokens else [1, 2, 3]})()
+
+    with pytest.raises(_FileProblem, match="post-processor changes a text's own tokens"):
+        _prompt_special_ids(Rewriting())
+
+
 # ---- text that is not Unicode ----
 
 
