@@ -203,6 +203,10 @@ class ModelConfig:
         hidden = integer("hidden_size")
         if num_heads <= 0:
             raise ConfigError(f"num_attention_heads must be a positive integer, got {num_heads}")
+        positions = integer("max_position_embeddings", 32768)  # transformers' default
+        if positions < 2:  # what the engine refuses to run
+            raise ConfigError(f"max_position_embeddings={positions} holds no token past a prompt's first; "
+                              "a model needs at least 2 positions")
         return cls(
             num_layers=integer("num_hidden_layers"),
             hidden_size=hidden,
@@ -211,7 +215,7 @@ class ModelConfig:
             num_kv_heads=integer("num_key_value_heads", num_heads),
             head_dim=integer("head_dim", hidden // num_heads),
             vocab_size=integer("vocab_size"),
-            max_position_embeddings=integer("max_position_embeddings", 32768),  # transformers' defaults
+            max_position_embeddings=positions,
             rope_theta=rope_theta,
             rms_norm_eps=number("rms_norm_eps", 1e-6),
             tie_word_embeddings=value("tie_word_embeddings", (bool,), "true or false", False),

@@ -34,6 +34,8 @@ LAYER_TENSOR = re.compile(r"model\.layers\.([0-9]+)\.")  # [0-9]: \d matches the
 
 def resolve_source(source: str) -> Path:
     """A local checkpoint directory, or a hub id fetched with huggingface_hub (needs a network)."""
+    if not source:  # Path("") is the working directory
+        raise CheckpointError("the checkpoint path is empty: give a checkpoint directory or a hub id")
     path = Path(source)
     if path.is_dir():
         return path

@@ -173,6 +173,8 @@ def check_out(out: str | os.PathLike) -> None:
     """A path a .nanoqwen file may be written to: in a folder that exists, not a folder itself
     (nor written as one, with a trailing slash), nor a device, FIFO or socket
     (refuse_replacing_a_special_file)."""
+    if not str(out):  # Path("") is the working directory
+        raise FileNotFoundError("the output path is empty; OUT must be the path of the .nanoqwen file to write")
     if str(out).endswith((os.sep, "/")):  # Path() drops the slash, and would write a file of that name
         raise IsADirectoryError(f"{out}: names a folder; OUT must be the path of the .nanoqwen file to write")
     out = Path(out)

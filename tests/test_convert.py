@@ -331,6 +331,8 @@ def test_resolve_source_refuses_what_is_neither_a_directory_nor_a_hub_id(tmp_pat
     for source in (str(tmp_path / "file.safetensors"), "no-slash-name", "a/b/c"):
         with pytest.raises(CheckpointError, match="not a checkpoint directory"):
             resolve_source(source)
+    with pytest.raises(CheckpointError, match="the checkpoint path is empty"):
+        resolve_source("")  # not the working directory
 
 
 # ---- what the engine would refuse, refused before a byte is written ----
@@ -341,6 +343,7 @@ def test_resolve_source_refuses_what_is_neither_a_directory_nor_a_hub_id(tmp_pat
     [
         ({"hidden_act": "gelu"}, "hidden_act is 'gelu'; nanoqwen runs only 'silu'"),
         ({"max_position_embeddings": 2**32}, "max_position_embeddings=4294967296 does not fit"),
+        ({"max_position_embeddings": 1}, "max_position_embeddings=1 holds no token past a prompt's first"),
         ({"num_hidden_layers": 1}, r"tensor 'model\.layers\.1\..*' belongs to no layer of the 1 that config.json's"),
         ({"num_hidden_layers": 3}, "num_hidden_layers=3, the checkpoint holds tensors of 2 layers"),
     ],

@@ -430,12 +430,14 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
     # a trailing slash names a folder: Path() would drop it and write a file called "out"
     assert_one_line_error(cli_run(capsys, "convert", "anything", f"{tmp_path / 'out'}/"), "names a folder")
     assert not (tmp_path / "out").exists()
+    assert_one_line_error(cli_run(capsys, "convert", "anything", ""), "the output path is empty")
 
 
 def test_conversion_refusals_are_one_cli_line(capsys, checkpoint, tmp_path):
     (checkpoint / "config.json").write_bytes(b'{"a":' * 5000 + b"1" + b"}" * 5000)
     assert_one_line_error(cli_run(capsys, "convert", checkpoint, tmp_path / "m.nanoqwen"), "nested more than the 32 levels")
     assert_one_line_error(cli_run(capsys, "convert", checkpoint, checkpoint / "config.json"), "lies inside the checkpoint")
+    assert_one_line_error(cli_run(capsys, "convert", "", tmp_path / "m.nanoqwen"), "the checkpoint path is empty")
     assert not list(tmp_path.glob("m.nanoqwen*"))
 
 
