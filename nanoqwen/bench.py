@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -284,14 +286,20 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 @subcommand("bench", "time prefill and decode on the GPU (512-token prompt, 128 greedy tokens)", _arguments)
 def main(args: argparse.Namespace) -> int:
-    if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
-        print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1", file=sys.stderr)
+    if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1 or args.seed < 0:
+        print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2, --repeats >= 1 and --seed >= 0",
+              file=sys.stderr)
         return 2
+    json_path = None if args.json is None else Path(args.json)
+    if json_path is not None and (not args.json or json_path.is_dir() or not json_path.parent.is_dir()):
+        print(f"nanoqwen bench: --json {args.json!r} is not a file in a folder that exists", file=sys.stderr)
+        return 2  # before minutes of measuring, not after
     report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed,
                        args.activations, command=" ".join(["nanoqwen"] + sys.argv[1:]),
                        prefill_weights=args.prefill_weights)
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    if json_path is not None:  # whole or not at all: written beside it, then renamed over it
+        partial = json_path.with_name(f".{json_path.name}.partial")
+        partial.write_text(json.dumps(report, indent=1))
+        os.replace(partial, json_path)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -275,3 +276,27 @@ def test_a_reader_that_leaves_early_ends_generate_quietly(model_path):
 def test_bench_without_a_gpu_is_a_one_line_error(capsys, model_path):
     status, _, stderr = run(capsys, "bench", model_path)
     assert status == 1 and "needs CuPy and a Hopper GPU" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--seed", "-1"], "--seed >= 0"),
+    (["--json", "{tmp}/no/such/folder/report.json"], "is not a file in a folder that exists"),
+    (["--json", "{tmp}"], "is not a file in a folder that exists"),
+    (["--json", ""], "is not a file in a folder that exists"),
+])
+def test_bench_refuses_bad_arguments_before_measuring(capsys, model_path, tmp_path, arguments, message):
+    status, _, stderr = run(capsys, "bench", model_path, *[a.format(tmp=tmp_path) for a in arguments])
+    assert status == 2 and message in stderr and "Traceback" not in stderr
+
+
+def test_bench_writes_its_json_whole(capsys, model_path, tmp_path, monkeypatch):
+    import nanoqwen.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *args, **kwargs: {"gpu": "none", "rows": [1.5]})
+    monkeypatch.setattr(bench, "format_report", lambda report: "report")
+    out = tmp_path / "bench.json"
+    out.write_text("an older report")
+    status, stdout, _ = run(capsys, "bench", model_path, "--json", out)
+    assert status == 0 and stdout.strip() == "report"
+    assert json.loads(out.read_text()) == {"gpu": "none", "rows": [1.5]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no partial file left beside it
