@@ -71,7 +71,9 @@ def sliding_window_layers(hf: dict) -> Sequence[int]:
     if isinstance(positions, int) and not isinstance(positions, bool) and window >= positions:
         return []  # a window as long as the longest sequence leaves every layer full attention
     layer_types = hf.get("layer_types")
-    if isinstance(layer_types, list):
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+            raise ConfigError(f"layer_types must be a list of strings, one per layer, got {layer_types!r:.80}")
         return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     first, layers = hf.get("max_window_layers", 28), hf.get("num_hidden_layers")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, layers)):

@@ -152,6 +152,9 @@ def edit_tensors(directory, edit):
          r"layers \[0\] of type 'sliding_attention'"),
         ({"use_sliding_window": True, "sliding_window": 64, "layer_types": None, "num_hidden_layers": 10**10},
          r"sliding-window.*layers \[28, 29, 30, 31, 32, 33, 34, 35\]"),  # at once, without a list of 10^10 layers
+        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": "sliding_attention"},
+         "layer_types must be a list of strings"),  # transformers refuses it too
+        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": [0, 1]}, "layer_types must be a list of strings"),
         ({"architectures": None}, "not a Qwen2 causal LM"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' RoPE scaling"),
         ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "'yarn' RoPE scaling"),
