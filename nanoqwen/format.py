@@ -234,10 +234,20 @@ class NanoqwenWriter:
             raise type(e)(e.errno, f"cannot create {self.path.name} in {self.path.parent} ({e.strerror})") from None
         self.file = os.fdopen(descriptor, "wb")
         try:
-            self.file.truncate(self.file_size)
+            with self._naming_the_output():
+                self.file.truncate(self.file_size)
         except BaseException:
             self.abort()
             raise
+
+    @contextmanager
+    def _naming_the_output(self) -> Iterator[None]:
+        """An OSError while writing (a full disk, a file-size limit) names the file the user chose,
+        not the temporary file's random name."""
+        try:
+            yield
+        except OSError as e:
+            raise type(e)(e.errno, f"cannot write {self.path} ({e.strerror})") from None
 
     def write(self, name: str, array: np.ndarray) -> None:
         if name not in self.index:
@@ -252,8 +262,9 @@ class NanoqwenWriter:
         # A byte view, not .tobytes(): a copy would double the memory of the largest tensor.
         data = memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
         record["crc32"] = zlib.crc32(data)
-        self.file.seek(int(record["offset"]))
-        self.file.write(data)
+        with self._naming_the_output():
+            self.file.seek(int(record["offset"]))
+            self.file.write(data)
         self.written.add(name)
 
     def close(self) -> Path:
@@ -262,12 +273,13 @@ class NanoqwenWriter:
             self.abort()
             raise ValueError(f"{len(missing)} tensors were never written, e.g. {sorted(missing)[0]!r}")
         self.header["checksum"] = header_checksum(self.header, self.table)
-        self.file.seek(0)
-        self.file.write(self.header.tobytes())
-        self.file.write(self.table.tobytes())
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with self._naming_the_output():
+            self.file.seek(0)
+            self.file.write(self.header.tobytes())
+            self.file.write(self.table.tobytes())
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
         try:
             refuse_replacing_a_special_file(self.path)
         except FileExistsError:

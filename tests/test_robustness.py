@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
 import sys
 import types
 from importlib.machinery import ModuleSpec
@@ -431,6 +432,18 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
     assert_one_line_error(cli_run(capsys, "convert", "anything", f"{tmp_path / 'out'}/"), "names a folder")
     assert not (tmp_path / "out").exists()
     assert_one_line_error(cli_run(capsys, "convert", "anything", ""), "the output path is empty")
+
+
+def test_a_write_that_fails_names_the_output_and_leaves_nothing(checkpoint, tmp_path):
+    """A file-size limit (as a full disk would) stops the conversion midway; Python ignores SIGXFSZ,
+    so the write raises EFBIG."""
+    out = tmp_path / "out" / "m.nanoqwen"
+    out.parent.mkdir()
+    limited = f"ulimit -f 64 && exec {sys.executable} -m nanoqwen convert {checkpoint} {out} --quiet"
+    result = subprocess.run(["bash", "-c", limited], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"cannot write {out} (File too large)" in result.stderr, result.stderr
+    assert not list(out.parent.iterdir())
 
 
 def test_conversion_refusals_are_one_cli_line(capsys, checkpoint, tmp_path):
