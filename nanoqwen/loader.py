@@ -115,6 +115,8 @@ class Model:
         )
 
     def layer(self, i: int) -> LayerWeights:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise TypeError(f"a layer index must be an integer, got {type(i).__name__} {i!r:.40}")
         if not 0 <= i < self.config.num_layers:
             raise IndexError(f"layer {i} out of range for a {self.config.num_layers}-layer model")
         p = f"model.layers.{i}"
@@ -196,9 +198,17 @@ def load(path: str | os.PathLike, verify_checksums: bool = False) -> Model:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise NanoqwenFormatError(f"a model path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}")
-    if not os.fspath(path):
+    if not isinstance(verify_checksums, bool):  # "no" is truthy: no string may stand for a flag
+        raise NanoqwenFormatError(f"verify_checksums must be True or False, got {verify_checksums!r:.40}")
+    try:
+        text = os.fspath(path)
+    except TypeError as e:  # an os.PathLike whose __fspath__ returns no str
+        raise NanoqwenFormatError(f"a model path must name a file as text: {e}") from None
+    if not isinstance(text, str):
+        raise NanoqwenFormatError(f"a model path must name a file as text, got {type(text).__name__} {text!r:.80}")
+    if not text:
         raise NanoqwenFormatError("a model path is empty")
-    path = Path(path)
+    path = Path(text)
     if "\0" in str(path):
         raise NanoqwenFormatError(f"{str(path)!r:.120}: a path cannot hold a NUL character")
     try:

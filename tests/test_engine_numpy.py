@@ -353,6 +353,13 @@ def test_exact_fit_is_allowed(model):
         engine.generate([7] * (PAGE_SIZE + 3), max_new_tokens=PAGE_SIZE + 1)
 
 
+class BytesPath:
+    """An os.PathLike that names its file in bytes, which a model path may not."""
+
+    def __fspath__(self):
+        return b"model.nanoqwen"
+
+
 def test_engine_arguments(model):
     for arguments, message in (({"backend": "tpu"}, "unknown backend 'tpu'"), ({"activations": "fp8"}, "activations must be"),
                                ({"prefill_weights": "bogus"}, "prefill_weights must be one of")):
@@ -360,9 +367,14 @@ def test_engine_arguments(model):
             Engine(model, **arguments)
     for path, message in ((None, "a model path must be a str or os.PathLike, got NoneType"),
                           (b"model.nanoqwen", "a model path must be a str or os.PathLike, got bytes"),
-                          ("a\0b", "a path cannot hold a NUL character"), ("", "a model path is empty")):
+                          ("a\0b", "a path cannot hold a NUL character"), ("", "a model path is empty"),
+                          (BytesPath(), "a model path must name a file as text, got bytes")):
         with pytest.raises(nanoqwen.NanoqwenFormatError, match=message):
             Engine(path)
+    with pytest.raises(nanoqwen.NanoqwenFormatError, match="verify_checksums must be True or False, got 'no'"):
+        nanoqwen.load(model.path, verify_checksums="no")
+    with pytest.raises(TypeError, match="a layer index must be an integer, got float 1.5"):
+        model.layer(1.5)
     with pytest.raises(GenerationError, match="max_context"):
         Engine(model, max_context=model.config.max_position_embeddings + 1)
     for too_small in (0, 1):  # room for no generated token
