@@ -331,7 +331,13 @@ def test_error_classes():
 
 
 def test_a_model_of_one_position_is_refused(tmp_path):
-    model = nanoqwen.load(make_nanoqwen(tmp_path, tokenizer=False, max_position_embeddings=1))
+    """The converter refuses such a config.json; a file written some other way reaches the engine."""
+    from nanoqwen.config import ModelConfig
+    from nanoqwen.random_model import write_random_model
+    from nanoqwen.testing import DEFAULT_CONFIG
+
+    config = ModelConfig(**{**DEFAULT_CONFIG, "max_position_embeddings": 1})
+    model = nanoqwen.load(write_random_model(tmp_path / "one.nanoqwen", config, seed=0))
     with pytest.raises(GenerationError, match="holds no token past the prompt's first"):
         Engine(model, backend="numpy")
 
