@@ -43,6 +43,13 @@ from .format import (
 from .jsonlimits import MAX_JSON_BYTES
 
 TOKENIZER_PREFIX = "tokenizer/"
+# The checkpoint files a .nanoqwen may carry as `tokenizer/<name>` blobs, and no others.
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"  # where transformers 5 saves the template, ahead of the config's
+GENERATION_CONFIG_JSON = "generation_config.json"  # its eos_token_id: what transformers' generate stops at
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON, CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON)
+TOKENIZER_BLOBS = frozenset(TOKENIZER_PREFIX + name for name in TOKENIZER_FILES)
 
 
 
@@ -330,7 +337,8 @@ def _validate(path: Path, mapping, size: int) -> Model:
                 f"the configuration requires {dtype_name}{list(shape)}"
             )
     for name, (code, shape, _) in tensors.items():
-        if name not in expected and not (name.startswith(TOKENIZER_PREFIX) and DTYPE_NAMES[code] == "u8" and len(shape) == 1):
+        # Only the known tokenizer files: unknown blobs would be CRC-checked and copied at every load.
+        if name not in expected and not (name in TOKENIZER_BLOBS and DTYPE_NAMES[code] == "u8" and len(shape) == 1):
             raise fail(f"unexpected tensor {name!r}")
         if name.startswith(TOKENIZER_PREFIX) and shape[0] > MAX_JSON_BYTES:  # read whole below, parsed by Engine
             raise fail(f"tokenizer blob {name!r} holds {shape[0]:,} bytes, more than the {MAX_JSON_BYTES:,} a tokenizer file may")

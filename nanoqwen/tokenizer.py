@@ -45,16 +45,12 @@ import tokenizers
 from .chat_template import compile_template, render
 from .errors import CheckpointError, GenerationError, NanoqwenFormatError
 from .jsonlimits import JSONLimitError, check_json_size, parse_json
-from .loader import TOKENIZER_PREFIX
+from .loader import (CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON, TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON,
+                     TOKENIZER_PREFIX)
 from .rust_calls import call_rust
 
 __all__ = ["CHATML_TEMPLATE", "StreamDecoder", "Tokenizer", "check_unicode"]
 
-TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
-CHAT_TEMPLATE_JINJA = "chat_template.jinja"  # where transformers 5 saves the template, ahead of the config's
-GENERATION_CONFIG_JSON = "generation_config.json"  # its eos_token_id: what transformers' generate stops at
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON, CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON)
 
 # ChatML as Qwen2.5-Instruct writes it, without the default system prompt Qwen's own template
 # adds. Used only when the checkpoint carries no template.

@@ -422,6 +422,17 @@ def test_tokenizer_blob_must_be_u8_and_one_dimensional(original):
     assert_rejected(path, with_checksum(raw, header, table), match="unexpected tensor 'tokenizer/")
 
 
+@pytest.mark.parametrize("name", [b"tokenizer/vocab.json", b"tokenizer/../tokenizer/tokenizer.json", b"tokenizer/"])
+def test_a_tokenizer_blob_of_no_known_file_is_refused(original, name):
+    """Only the four files a tokenizer reads may ride along: any number of other blobs, each up to
+    MAX_JSON_BYTES and sparse on disk, would be checked and copied at every load."""
+    raw, path = original
+    header, table = parse(raw)
+    i = [bytes(r["name"]).startswith(b"tokenizer/") for r in table].index(True)
+    table[i]["name"] = name
+    assert_rejected(path, with_checksum(raw, header, table), match="unexpected tensor 'tokenizer/")
+
+
 def test_rejected_file_leaves_no_mapping_behind(original):
     raw, path = original
     header, table = parse(raw)
