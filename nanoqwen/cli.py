@@ -87,17 +87,6 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true", help="also check every tensor's CRC-32 (reads the whole file)")
 
 
-def _tensor_records(path: Path) -> np.ndarray:
-    """The tensor table as stored (the loader has validated it already)."""
-    from .format import HEADER_DTYPE, RECORD_DTYPE
-
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_DTYPE.itemsize), dtype=HEADER_DTYPE)[0]
-        f.seek(int(header["table_offset"]))
-        count = int(header["tensor_count"])
-        return np.frombuffer(f.read(count * RECORD_DTYPE.itemsize), dtype=RECORD_DTYPE)
-
-
 @subcommand("inspect", "print a .nanoqwen file's header, tensor table and bytes per token", _inspect_arguments)
 def run_inspect(args: argparse.Namespace) -> int:
     from .format import DTYPE_NAMES, VERSION
@@ -106,11 +95,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     model = load(_model_path(args.model), verify_checksums=args.verify)
     c = model.config
-    print(f"{model.path}: .nanoqwen version {VERSION}, {model.path.stat().st_size:,} bytes")
+    print(f"{model.path}: .nanoqwen version {VERSION}, {model.file_size:,} bytes")
     for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
                  "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "group_size"):
         print(f"  {name:<24} {getattr(c, name)}")
-    records = _tensor_records(model.path)
+    records = model.tensor_table  # the table the loader checked, not a second read of a path a rename may change
     width = max(len(bytes(r["name"]).rstrip(b"\0")) for r in records)
     print(f"\n{'tensor':<{width}}  dtype  {'shape':<16} {'offset':>14} {'bytes':>14}")
     totals: dict[str, int] = {}

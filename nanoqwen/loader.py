@@ -361,4 +361,5 @@ def _validate(path: Path, mapping, size: int) -> Model:
         views[name] = np.frombuffer(mapping, dtype=DTYPES[code], count=count, offset=offset).reshape(shape)
     model = Model(path, config, views, mapping)
     model._crcs = crcs
+    model.tensor_table, model.file_size = table, size  # as validated: the path may name another file by now
     return model

@@ -300,3 +300,26 @@ def test_bench_writes_its_json_whole(capsys, model_path, tmp_path, monkeypatch):
     assert status == 0 and stdout.strip() == "report"
     assert json.loads(out.read_text()) == {"gpu": "none", "rows": [1.5]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no partial file left beside it
+
+
+def test_inspect_prints_the_table_it_validated_when_the_path_changes(capsys, model_path, tmp_path, monkeypatch):
+    """A new file renamed over the path after the load (which the loader calls safe) is not read."""
+    import os
+    import shutil
+
+    import nanoqwen.loader as loader
+
+    path = tmp_path / "m.nanoqwen"
+    shutil.copy(model_path, path)
+    load = loader.load
+
+    def load_then_rename_over(*args, **kwargs):
+        model = load(*args, **kwargs)
+        (tmp_path / "other").write_bytes(b"\xff" * 4096)
+        os.replace(tmp_path / "other", path)
+        return model
+
+    monkeypatch.setattr(loader, "load", load_then_rename_over)
+    status, stdout, stderr = run(capsys, "inspect", path)
+    assert status == 0 and "model.embed_tokens.weight" in stdout and stderr == ""
+    assert f"{os.path.getsize(model_path):,} bytes" in stdout.splitlines()[0]
