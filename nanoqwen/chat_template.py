@@ -8,9 +8,9 @@ twice is ten billion iterations. So every compile and render here runs under a d
 
 The deadline cannot stop a single call into C, and one call can build a huge value from a few
 characters of source: `'a'|center(4000000000)` (which jinja2 even runs while compiling, to fold
-constants), `'%1500000000d' % 1`, `s.replace('x', s)`. So every operation whose output size an
-argument sets is checked before it runs and refused when it would write more than
-MAX_TEMPLATE_CHARS: `*` and `**`, `%` on strings, str.format and format_map, the str methods
+constants), `'%1500000000d' % 1`, `s.replace('x', s)`, or `s + s` doubled thirty times. So every
+operation whose output size its arguments set is checked before it runs and refused when it would
+write more than MAX_TEMPLATE_CHARS: `+` and `~`, `*` and `**`, `%` on strings, str.format and format_map, the str methods
 that pad, expand or join, and the filters that do the same (center, indent, format, wordwrap,
 join, replace, batch's fill, tojson's indent), and printing a container of strings.
 """
@@ -28,7 +28,9 @@ from functools import wraps
 
 import jinja2.ext
 from jinja2 import filters, pass_eval_context
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
+from jinja2.runtime import markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 
 from .errors import GenerationError
@@ -113,6 +115,16 @@ def _repeat_length(left, right) -> int:
             brackets = 2  # printed once, however often the items repeat
             items = _printed_length(sequence, MAX_TEMPLATE_CHARS // count + brackets) - brackets
             return items * count + brackets
+    return 0
+
+
+def _added_length(left, right) -> int:
+    """Characters of `left + right` when it adds two strings, or what printing it would write when
+    it adds two lists, else 0."""
+    if isinstance(left, str) and isinstance(right, str):
+        return len(left) + len(right)
+    if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+        return _printed_length(left, MAX_TEMPLATE_CHARS) + _printed_length(right, MAX_TEMPLATE_CHARS)
     return 0
 
 
@@ -232,13 +244,33 @@ class _BoundedFormatter(SandboxedFormatter):
 # ---- the environment ----
 
 
+class _CodeGenerator(CodeGenerator):
+    """jinja2's code generator, with every `a ~ b` handed to _Environment.sized_concat, which
+    measures the parts before it joins them (jinja2 joins them inline, where no hook sees them)."""
+
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.sized_concat(context, (")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _Environment(ImmutableSandboxedEnvironment):
     """jinja2's immutable sandbox, with the operations that build a huge value in one step
     checked before they run."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    code_generator_class = _CodeGenerator
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def sized_concat(self, context, parts: tuple) -> str:
+        _check_length(sum(len(p) if isinstance(p, str) else _printed_length(p, MAX_TEMPLATE_CHARS) for p in parts),
+                      "a ~ concatenation")
+        return (markup_join if context.eval_ctx.autoescape else str_join)(parts)
 
     def call_binop(self, context, operator, left, right):
+        if operator == "+":
+            _check_length(_added_length(left, right), "a +")
         if operator == "*":
             _check_length(_repeat_length(left, right), "a repetition")
         if (operator == "**" and isinstance(left, int) and isinstance(right, int)

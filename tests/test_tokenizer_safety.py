@@ -286,7 +286,12 @@ def test_a_looping_template_stops_at_the_deadline(files, monkeypatch, template):
     ("{{ ('x' * 10).translate({120: 'y' * 900000}) }}", "str.translate would write 9,000,000 characters"),
     ("{% set s = 'x' * 900000 %}{{ [s] * 1000 }}", "a repetition would write 900,004,002 characters"),
     ("{% set s = 'x' * 900000 %}{% set ns = namespace(items=[]) %}{% for i in range(1000) %}"
-     "{% set ns.items = ns.items + [s] %}{% endfor %}{{ ns.items }}", "printing a value would write"),
+     "{% set ns.items = ns.items + [s] %}{% endfor %}", "a \\+ would write 1,800,012 characters"),
+    ("{% set s = 'x' * 600000 %}{% set t = s + s %}", "a \\+ would write 1,200,000 characters"),
+    ("{% set s = 'x' * 600000 %}{% set t = s ~ s %}", "a ~ concatenation would write 1,200,000 characters"),
+    ("{% set s = 'x' * 600000 %}{% macro twice(a) %}{{ a ~ a }}{% endmacro %}{{ twice(s) }}", "a ~ concatenation"),
+    ("{% set s = 'x' * 600000 %}{% set t = 1 ~ [s, s] %}", "a ~ concatenation would write 1,200,"),
+    ("{% set s = 'x' * 900000 %}{{ [s, s] }}", "printing a value would write"),
 ])
 def test_a_template_cannot_write_or_build_without_end(files, monkeypatch, template, match):
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CHARS", 10**6)
