@@ -8,14 +8,13 @@ the verdict names is provoked once with a deliberately broken backend.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import nanoqwen
+from conftest import load_tool
 from nanoqwen.reference import backend as backend_numpy
 from nanoqwen.backends import cuda_available
 from nanoqwen.quant import dequantize_int4, quantize_int4
@@ -24,10 +23,7 @@ from nanoqwen.testing import ACCEPTED_SHAPES, make_nanoqwen, reference_model
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_vs_transformers.py"
-_spec = importlib.util.spec_from_file_location("check_vs_transformers", TOOL)
-check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check)
+check = load_tool("check_vs_transformers")
 
 
 @pytest.fixture(scope="module")

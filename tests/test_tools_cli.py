@@ -192,6 +192,42 @@ def test_check_vs_transformers_rejects_too_few_steps_before_running(tmp_path):
     assert "at least 32" in " ".join(run_tool("check_vs_transformers", "--help").stdout.split())
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--seed", "-1"], "--seed (-1) must be >= 0"),
+    (["--tolerance-factor", "nan"], "--tolerance-factor (nan) must be a positive, finite number"),
+    (["--tolerance-factor", "inf"], "--tolerance-factor (inf) must be a positive, finite number"),
+    (["--tolerance-factor", "0"], "--tolerance-factor (0.0) must be a positive, finite number"),
+])
+def test_check_vs_transformers_refuses_numbers_that_void_its_verdict(tmp_path, arguments, message):
+    model = tmp_path / "model.nanoqwen"
+    model.write_bytes(b"")  # never opened: the parser refuses first
+    done = run_tool("check_vs_transformers", "--model", str(model), *arguments)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(message), done.stderr
+
+
+# Each tool that writes a file when it ends, with the option that names it and what gets it past its parser.
+OUTPUT_OPTIONS = [
+    ("bench_kernels", "--out", []), ("bench_kernels", "--json", []), ("bench_int8_vs_fp16", "--json", []),
+    ("bench_speculative", "--out", []), ("decode_by_size", "--out", []), ("check_by_size", "--out", []),
+    ("sanitize_engine", "--json", []), ("step_timeline", "--json", ["{tmp}/model.nanoqwen"]),
+    ("block_trace", "--json", ["{tmp}/model.nanoqwen"]), ("check_vs_transformers", "--json", ["--model", "{tmp}/m"]),
+]
+
+
+@pytest.mark.parametrize("name, option, arguments", OUTPUT_OPTIONS)
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(name, option, arguments, tmp_path):
+    rest = [a.format(tmp=tmp_path) for a in arguments]
+    for target, message in ((tmp_path / "no" / "record", "does not exist"), (tmp_path, "names a folder")):
+        done = run_tool(name, *rest, option, str(target))
+        assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1], done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_decode_by_size_refuses_a_context_without_room_for_its_tokens(tmp_path):
+    done = run_tool("decode_by_size", "--out", str(tmp_path / "r"), "--long-contexts", "4096", "-5")
+    assert done.returncode == 2 and "--long-contexts -5: a context must exceed the 128 tokens" in done.stderr
+
+
 def needs_torch():
     import importlib.util
 

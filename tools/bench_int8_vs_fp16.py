@@ -57,6 +57,7 @@ from nanoqwen.cuda.weights import DeviceLinear
 from nanoqwen.loader import Int4Linear
 from nanoqwen.quant import tile_int4
 from nanoqwen.random_model import QWEN25_CODER_7B
+from record import output_path
 
 CONFIG = QWEN25_CODER_7B
 C = CONFIG
@@ -88,7 +89,7 @@ extern "C" __global__ void spin(long long cycles) {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays per variant and round")
-    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    parser.add_argument("--json", type=output_path, default=None, help="where to write the results")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated subset")
     args = parser.parse_args()
     json_path = args.json or Path(os.environ.get("OUT", ".")) / "int8_vs_fp16.json"

@@ -37,7 +37,7 @@ from nanoqwen.cuda.timing import gpu_ms
 from nanoqwen.quant import tile_int4
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.random_model import QWEN25_CODER_7B
-from record import require_gpu
+from record import output_path, require_gpu
 
 READ_ONLY_TBPS = 4.49  # a read-only 16-byte streaming kernel on an H200 (notes)
 RUNS, BATCH = 30, 10
@@ -264,8 +264,8 @@ def run(out: Path | None, json_path: Path | None) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="also write the table (Markdown) here")
-    parser.add_argument("--json", type=Path, help="also write every row as JSON here")
+    parser.add_argument("--out", type=output_path, help="also write the table (Markdown) here")
+    parser.add_argument("--json", type=output_path, help="also write every row as JSON here")
     args = parser.parse_args(argv)
     require_gpu("bench_kernels")
     run(args.out, args.json)

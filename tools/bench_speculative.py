@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from record import record_command, record_header, require_gpu, scratch_folder, write_record
+from record import output_path, record_command, record_header, require_gpu, scratch_folder, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 20
 DRAFT_COUNTS = [1, 2, 4, 7, 8, 16]  # 7: the most a narrow pass takes (8 rows)
@@ -159,7 +159,7 @@ def markdown(record: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--out", type=output_path, required=True, help="OUT.json and OUT.md are written")
     args = parser.parse_args()
     require_gpu("bench_speculative")
 

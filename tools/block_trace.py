@@ -31,7 +31,7 @@ from nanoqwen.cuda.abi import kernel_int
 from nanoqwen.cuda.plan import GEMV_KERNELS, QKV_ROPE_KERNEL
 from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS, TIMING_STEPS, step_timing_record
 from nanoqwen.loader import load
-from record import require_gpu
+from record import output_path, require_gpu
 from step_timeline import LABELS, traced_backend
 
 # kernels/common.cuh's TRACED_* number of each kernel that records its blocks
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--context", type=int, default=STEP_PROMPT_TOKENS,
                         help="tokens of the random prompt the traced steps follow (default %(default)s)")
-    parser.add_argument("--json", type=Path, help="write the rows, with where and when they were measured, here")
+    parser.add_argument("--json", type=output_path, help="write the rows, with where and when they were measured, here")
     args = parser.parse_args(argv)
     if not 1 <= args.steps <= TIMING_STEPS - 2:  # the prompt's pages hold TIMING_STEPS more tokens, two for warm-up
         parser.error(f"--steps must be 1 to {TIMING_STEPS - 2}, got {args.steps}")

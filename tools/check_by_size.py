@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from record import record_command, record_header, require_gpu, scratch_folder
+from record import output_path, record_command, record_header, require_gpu, scratch_folder
 
 TOOLS = Path(__file__).resolve().parent
 # preset -> layers kept (None: all). 32B's 64 layers in fp32 are ~125 GB: 40 keep the reference at ~84 GB.
@@ -119,7 +119,7 @@ def check_all(args, scratch: Path, header: dict) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--out", type=output_path, required=True, help="OUT.json and OUT.md are written")
     parser.add_argument("--presets", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--no-long-prompt", action="store_true")
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per check")

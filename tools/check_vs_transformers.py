@@ -62,6 +62,7 @@ from nanoqwen.errors import NanoqwenError
 from nanoqwen.kvcache import pages_needed
 from nanoqwen.quant import NIBBLE_OF_ELEMENT, ZERO_POINT, dequantize_int4
 from nanoqwen.testing import ROUNDING_TOLERANCE_FACTOR, _hf_config, rounding_noise, rounding_tolerance
+from record import output_path
 
 MIN_DECODE_STEPS = 32
 DEFAULT_PROMPT_TOKENS = 45  # pages 0, 1 full, page 2 holds 13 of 16 rows
@@ -358,7 +359,7 @@ def parse_args(argv):
                         help="k in k * rms(the logits' change under injected fp16 rounding noise)")
     parser.add_argument("--max-context", type=int, help="the engine's KV pool, in tokens (default: 4096 or what the run needs)")
     parser.add_argument("--no-poison", action="store_true", help="leave the KV pool zeroed instead of NaN")
-    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--json", type=output_path, help="write every number here")
     args = parser.parse_args(argv)
     if not args.model.is_file():
         parser.error(f"--model {args.model}: no such file")
@@ -367,6 +368,10 @@ def parse_args(argv):
         parser.error(f"--steps {args.steps}: at least {MIN_DECODE_STEPS} decode steps are required")
     if args.prompt_tokens < 1:
         parser.error(f"--prompt-tokens ({args.prompt_tokens}) must be >= 1")
+    if args.seed < 0:
+        parser.error(f"--seed ({args.seed}) must be >= 0")
+    if not 0 < args.tolerance_factor < float("inf"):  # NaN too: no error exceeds a NaN tolerance
+        parser.error(f"--tolerance-factor ({args.tolerance_factor}) must be a positive, finite number")
     return args
 
 

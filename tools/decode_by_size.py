@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from record import record_command, record_header, require_gpu, scratch_folder, write_record
+from record import output_path, record_command, record_header, require_gpu, scratch_folder, write_record
 
 PROMPT_TOKENS, NEW_TOKENS, REPEATS = 512, 128, 3
 SIZES = ["0.5b", "1.5b", "3b", "7b", "14b", "32b"]
@@ -84,10 +84,13 @@ def markdown(record: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--out", type=output_path, required=True, help="OUT.json and OUT.md are written")
     parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
     parser.add_argument("--long-contexts", nargs="*", type=int, default=LONG_CONTEXTS)
     args = parser.parse_args()
+    short = [c for c in args.long_contexts if c <= NEW_TOKENS]
+    if short:  # a context holds the prompt and the tokens generated after it
+        parser.error(f"--long-contexts {short[0]}: a context must exceed the {NEW_TOKENS} tokens generated in it")
     require_gpu("decode_by_size")
 
     from nanoqwen.cuda.timing import read_bandwidth

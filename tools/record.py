@@ -3,6 +3,7 @@ how it is written."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -28,6 +29,17 @@ def record_header(command: str) -> dict:
         "commit": commit,
         "command": command,
     }
+
+
+def output_path(value: str) -> Path:
+    """argparse's type for a file a tool writes when it ends (a record, a JSON report): a bad path is
+    an error when the arguments are read, not after minutes of measuring."""
+    path = Path(value)
+    if not value or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} names a folder, not a file to write")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: the folder {path.parent} does not exist")
+    return path
 
 
 def write_record(out: Path, record: dict, markdown: str) -> None:

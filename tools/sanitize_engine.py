@@ -28,7 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from record import CUDA_SANITIZER, compute_sanitizer, record_command, record_header, require_gpu, scratch_folder
+from record import (CUDA_SANITIZER, compute_sanitizer, output_path, record_command, record_header, require_gpu,
+                    scratch_folder)
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 SHAPE = dict(num_layers=2, hidden_size=640, intermediate_size=1792, num_heads=5, num_kv_heads=1, head_dim=128,
@@ -102,7 +103,7 @@ def sanitize(sanitizer: str, tool: str, model_path: Path, logs: Path | None) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--json", type=output_path, help="write the record here")
     parser.add_argument("--logs", type=Path, help="a folder for the sanitizers' full logs")
     parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)

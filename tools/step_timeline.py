@@ -45,7 +45,7 @@ from nanoqwen.cuda.profile import STEP_PROMPT_TOKENS
 from nanoqwen.cuda.profile import TIMING_STEPS, prompted_backend, step_launch_names, step_timing_record
 from nanoqwen.cuda.timing import gpu_times_ms
 from nanoqwen.loader import load
-from record import require_gpu
+from record import output_path, require_gpu
 
 LABELS = {"gemv_int4_gate_up_silu": "gate+up GEMV", GEMV_KERNELS["down"]: "down GEMV", GEMV_KERNELS["qkv"]: "q|k|v GEMV",
           QKV_ROPE_KERNEL: "q|k|v GEMV + RoPE",
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                         help="tokens of the random prompt the timed steps follow (default %(default)s)")
     parser.add_argument("--without-pdl", action="store_true",
                         help="capture the step without programmatic dependent launch: every kernel starts after the last")
-    parser.add_argument("--json", type=Path, help="write the summary and every recorded time here")
+    parser.add_argument("--json", type=output_path, help="write the summary and every recorded time here")
     args = parser.parse_args(argv)
     require_gpu("step_timeline")
 
