@@ -169,6 +169,7 @@ def main(argv=None) -> None:
         print(f"measure_convert_7b: {problem}", file=sys.stderr)
         raise SystemExit(2)
     # SIGTERM (what `timeout` sends) ends the run through `finally`, which removes the 15 GB checkpoint
+    child = None
     with termination_raises_system_exit():
         try:
             start = time.perf_counter()
@@ -177,14 +178,15 @@ def main(argv=None) -> None:
             print(f"wrote {checkpoint_bytes:,} bytes of checkpoint in {write_s:.0f} s", flush=True)
 
             start = time.perf_counter()
-            child = subprocess.run(
+            child = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--convert-only", str(checkpoint), str(out)],
-                capture_output=True, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
+            stdout, stderr = child.communicate()
             if child.returncode:
-                sys.exit(f"conversion failed ({child.returncode}):\n{child.stderr}")
+                sys.exit(f"conversion failed ({child.returncode}):\n{stderr}")
             child_s = time.perf_counter() - start
-            summary = json.loads(child.stdout.strip().splitlines()[-1])
+            summary = json.loads(stdout.strip().splitlines()[-1])
 
             start = time.perf_counter()
             model = nanoqwen.load(out, verify_checksums=True)
@@ -207,6 +209,9 @@ def main(argv=None) -> None:
             for label, value in rows:
                 print(f"| {label} | {value} |")
         finally:
+            if child is not None and child.poll() is None:  # SIGTERM lets its writer remove its partial file
+                child.terminate()
+                child.wait()
             if not args.keep:
                 shutil.rmtree(checkpoint, ignore_errors=True)
                 out.unlink(missing_ok=True)
