@@ -347,18 +347,16 @@ class Engine:
 
     def _run(self, request: _Request) -> Iterator[TokenPiece]:
         prompt_len = len(request.prompt_ids)
-        with self._lock:
-            self._check_open()
-            try:
-                page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
-            except KVCacheFullError as e:
-                raise GenerationError(f"{e} (other generations still hold pages)") from e
-            backend_name = self.backend.name
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
-        finish_reason, timings = "length", [0.0, 0.0]
-        try:
+        finish_reason, timings, page_table = "length", [0.0, 0.0], None
+        try:  # the pages are taken inside it, so that an interrupt anywhere after gives them back
             with self._lock:
                 self._check_open()
+                try:
+                    page_table = self.allocator.allocate(pages_needed(prompt_len + request.max_new_tokens))
+                except KVCacheFullError as e:
+                    raise GenerationError(f"{e} (other generations still hold pages)") from e
+                backend_name = self.backend.name
                 self._take_backend(request)
                 start = time.perf_counter()
                 token = sample(self.backend.prefill(request.prompt_ids, 0, page_table), request.sampling, prompt_len - 1)
@@ -388,7 +386,8 @@ class Engine:
         finally:
             with self._lock:
                 self._release_backend(request)
-                self.allocator.free(page_table)
+                if page_table is not None:
+                    self.allocator.free(page_table)
         request.result = GenerationResult(
             prompt_token_ids=request.prompt_ids.tolist(),
             token_ids=list(request.generated),

@@ -77,7 +77,10 @@ class PageAllocator:
                 f"KV cache full: asked for {n} pages ({n * PAGE_SIZE} tokens), "
                 f"{len(self._free)} of {self.num_pages} are free"
             )
-        pages = [self._free.pop() for _ in range(n)]
+        # The top n of the stack at once, not popped in a loop: Ctrl-C's exception, raised between
+        # bytecodes, cannot land after some pages and before the rest.
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
         self._in_use.update(pages)
         return np.array(pages, dtype=np.int32)
 
