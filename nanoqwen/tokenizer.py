@@ -69,6 +69,10 @@ MESSAGE_KEYS = frozenset({"role", "content"})
 # three jamo, a third of their bytes): text is refused as too long for the context only past this
 # many times what the context's tokens could spell.
 NORMALIZATION_SLACK = 4
+# What one token is taken to spell at most when text is measured against the context: a vocabulary
+# may hold a longer token, but a token of megabytes, which only a crafted tokenizer.json holds,
+# must not lift the bound on what gets encoded by as much.
+MAX_TOKEN_BYTES = 1024
 # Encoded and decoded once at construction: letters, digits, spaces, tabs, newlines,
 # punctuation, accents, CJK and an emoji reach every stage of a tokenizer's pipeline.
 PROBE_TEXT = "Hello, world! 123\n\tdef f(x):  return x ** 2  # caf\u00e9 \u65e5\u672c\u8a9e \U0001f642"
@@ -393,9 +397,10 @@ class Tokenizer:
     @cached_property
     def longest_token_bytes(self) -> int:
         """The UTF-8 length of the vocabulary's longest token, at least what it spells of the text
-        (a ByteLevel token's characters stand for a byte each, "▁" for a space, "<0x41>" for one byte)."""
+        (a ByteLevel token's characters stand for a byte each, "▁" for a space, "<0x41>" for one
+        byte), and at most MAX_TOKEN_BYTES."""
         vocabulary = self.backend.get_vocab(with_added_tokens=True)
-        return max((len(token.encode("utf-8")) for token in vocabulary), default=1)
+        return min(max((len(token.encode("utf-8")) for token in vocabulary), default=1), MAX_TOKEN_BYTES)
 
     def _check_fits(self, text: str) -> None:
         if self.max_tokens is None:
@@ -406,8 +411,8 @@ class Tokenizer:
         size = len(text.encode("utf-8"))
         if size > spelled * NORMALIZATION_SLACK:
             raise GenerationError(
-                f"the text has {size:,} bytes of UTF-8, more than {self.max_tokens:,} tokens can hold: this "
-                f"vocabulary's longest token spells {self.longest_token_bytes} bytes, so {self.max_tokens:,} tokens "
+                f"the text has {size:,} bytes of UTF-8, more than {self.max_tokens:,} tokens can hold: a token of "
+                f"this vocabulary spells at most {self.longest_token_bytes} bytes, so {self.max_tokens:,} tokens "
                 f"spell at most {spelled:,} (text is refused past {NORMALIZATION_SLACK} times that, room for "
                 "normalization to shorten it)"
             )

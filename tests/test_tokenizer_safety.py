@@ -167,6 +167,18 @@ def test_token_names_are_looked_up_through_the_rust_guard(tokenizer):
         tokenizer.token_id("\ud800")
 
 
+def test_a_token_of_megabytes_does_not_lift_the_bound_on_text(files):
+    from nanoqwen import tokenizer as tokenizer_module
+
+    tokenizer_json = json.loads(json.dumps(files["tokenizer.json"]))
+    huge = "x" * 5_000_000
+    tokenizer_json["added_tokens"].append({"id": len(tokenizer_json["model"]["vocab"]) + 100, "content": huge,
+                                           "single_word": False, "lstrip": False, "rstrip": False,
+                                           "normalized": False, "special": True})
+    tok = Tokenizer.from_files(blobs(files, tokenizer=tokenizer_json))
+    assert tok.token_id(huge) is not None and tok.longest_token_bytes == tokenizer_module.MAX_TOKEN_BYTES
+
+
 def test_text_too_long_for_the_context_is_refused_before_encoding(files, monkeypatch):
     from nanoqwen import tokenizer as tokenizer_module
 
@@ -183,7 +195,7 @@ def test_text_too_long_for_the_context_is_refused_before_encoding(files, monkeyp
 
     for name in ("_encoding", "_literal_ids"):
         monkeypatch.setattr(tokenizer_module, name, refusing(getattr(tokenizer_module, name)))
-    reason = (f"more than 100 tokens can hold: this vocabulary's longest token spells {tok.longest_token_bytes} bytes, "
+    reason = (f"more than 100 tokens can hold: a token of this vocabulary spells at most {tok.longest_token_bytes} bytes, "
               f"so 100 tokens spell at most {limit // 4:,}")
     for call in (tok.encode, tok.encode_literal):
         with pytest.raises(GenerationError, match=f"the text has {limit + 1:,} bytes of UTF-8, {reason}"):
