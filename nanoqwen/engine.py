@@ -233,14 +233,16 @@ class Engine:
                 if not isinstance(fim_suffix, str):
                     raise GenerationError(f"fim_suffix must be a string, got {type(fim_suffix).__name__}")
                 check_unicode(fim_suffix, "fim_suffix")
-                ids = self.tokenizer.around_prompt(self.tokenizer.fim_token_ids(prompt, fim_suffix, allow_special_tokens))
+                ids = self.tokenizer.fim_token_ids(prompt, fim_suffix, allow_special_tokens)
             elif chat or not isinstance(prompt, str):
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 ids = self.tokenizer.chat_token_ids(messages, allow_special_tokens=allow_special_tokens)
             elif allow_special_tokens:
-                ids = self.tokenizer.around_prompt(self.tokenizer.encode(prompt))
+                ids = self.tokenizer.encode(prompt)
             else:
-                ids = self.tokenizer.around_prompt(self.tokenizer.encode_literal(prompt))
+                ids = self.tokenizer.encode_literal(prompt)
+            if isinstance(prompt, str) and not chat:  # a chat template writes its own special tokens
+                ids = self.tokenizer.around_prompt(ids)
             ids = self._check_token_ids(ids, "the encoded prompt", "a flat sequence of integer token ids")
         else:
             if chat or fim_suffix is not None:
