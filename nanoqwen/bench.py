@@ -37,6 +37,7 @@ from .cuda.profile import (
     time_host_loop,
 )
 from .errors import BackendUnavailableError, GenerationError
+from .format import output_file_problem
 from .sampling import GREEDY
 
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
@@ -291,8 +292,9 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     json_path = None if args.json is None else Path(args.json)
-    if json_path is not None and (not args.json or json_path.is_dir() or not json_path.parent.is_dir()):
-        print(f"nanoqwen bench: --json {args.json!r} is not a file in a folder that exists", file=sys.stderr)
+    problem = None if args.json is None else output_file_problem(args.json)
+    if problem is not None:
+        print(f"nanoqwen bench: --json: {problem}", file=sys.stderr)
         return 2  # before minutes of measuring, not after
     report = run_bench(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.baseline, args.seed,
                        args.activations, command=" ".join(["nanoqwen"] + sys.argv[1:]),

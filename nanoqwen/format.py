@@ -169,32 +169,41 @@ def termination_raises_system_exit() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def check_out(out: str | os.PathLike) -> None:
-    """A path a .nanoqwen file may be written to: in a folder that exists, not a folder itself
-    (nor written as one, with a trailing slash), nor a device, FIFO or socket
-    (refuse_replacing_a_special_file)."""
-    if not str(out):  # Path("") is the working directory
-        raise FileNotFoundError("the output path is empty; OUT must be the path of the .nanoqwen file to write")
-    if str(out).endswith((os.sep, "/")):  # Path() drops the slash, and would write a file of that name
-        raise IsADirectoryError(f"{out}: names a folder; OUT must be the path of the .nanoqwen file to write")
-    out = Path(out)
-    if out.is_dir():
-        raise IsADirectoryError(f"{out}: is a directory; OUT must be the path of the .nanoqwen file to write")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
-    refuse_replacing_a_special_file(out)
+def output_file_problem(path: str | os.PathLike) -> OSError | None:
+    """Why no file can be written at `path`, or None: it must be in a folder that exists, and be
+    neither a folder (nor written as one, with a trailing slash) nor a device, FIFO or socket
+    (special_file_problem). Everything that writes a file when its work ends (the .nanoqwen
+    writer, `nanoqwen bench --json`, the tools' records) asks before the work begins."""
+    text = os.fspath(path)
+    if not text:  # Path("") is the working directory
+        return FileNotFoundError("the output path is empty")
+    if text.endswith((os.sep, "/")):  # Path() drops the slash, and would write a file of that name
+        return IsADirectoryError(f"{text}: names a folder")
+    path = Path(text)
+    if path.is_dir():
+        return IsADirectoryError(f"{path}: is a folder")
+    if not path.parent.is_dir():
+        return FileNotFoundError(f"{path}: the folder {path.parent} does not exist")
+    return special_file_problem(path)
 
 
-def refuse_replacing_a_special_file(path: Path) -> None:
-    """A .nanoqwen file replaces only a regular file (or a symbolic link, which the rename replaces,
+def special_file_problem(path: Path) -> FileExistsError | None:
+    """A written file replaces only a regular file (or a symbolic link, which the rename replaces,
     not its target): renaming over a device or a FIFO would destroy it, /dev/null included."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return
-    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
-        raise FileExistsError(f"{path}: exists and is not a regular file (a device, FIFO or socket); "
-                              "OUT must be a new path or a file to replace")
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+        return None
+    return FileExistsError(f"{path}: exists and is not a regular file (a device, FIFO or socket)")
+
+
+def check_out(out: str | os.PathLike) -> None:
+    """Raise output_file_problem's error for a path a .nanoqwen file is to be written to."""
+    problem = output_file_problem(out)
+    if problem is not None:
+        raise type(problem)(f"{problem}; OUT must be the path of the .nanoqwen file to write")
 
 
 class NanoqwenWriter:
@@ -280,11 +289,10 @@ class NanoqwenWriter:
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
-        try:
-            refuse_replacing_a_special_file(self.path)
-        except FileExistsError:
+        problem = special_file_problem(self.path)  # made since check_out
+        if problem is not None:
             self.abort()
-            raise
+            raise problem
         os.replace(self.partial, self.path)
         return self.path
 

@@ -280,13 +280,15 @@ def test_bench_without_a_gpu_is_a_one_line_error(capsys, model_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--seed", "-1"], "--seed >= 0"),
-    (["--json", "{tmp}/no/such/folder/report.json"], "is not a file in a folder that exists"),
-    (["--json", "{tmp}"], "is not a file in a folder that exists"),
-    (["--json", ""], "is not a file in a folder that exists"),
+    (["--json", "{tmp}/no/such/folder/report.json"], "--json: {tmp}/no/such/folder/report.json: the folder"),
+    (["--json", "{tmp}"], "--json: {tmp}: is a folder"),
+    (["--json", "{tmp}/"], "names a folder"),
+    (["--json", ""], "--json: the output path is empty"),
+    (["--json", "/dev/null"], "/dev/null: exists and is not a regular file"),
 ])
 def test_bench_refuses_bad_arguments_before_measuring(capsys, model_path, tmp_path, arguments, message):
     status, _, stderr = run(capsys, "bench", model_path, *[a.format(tmp=tmp_path) for a in arguments])
-    assert status == 2 and message in stderr and "Traceback" not in stderr
+    assert status == 2 and message.format(tmp=tmp_path) in stderr and "Traceback" not in stderr
 
 
 def test_bench_writes_its_json_whole(capsys, model_path, tmp_path, monkeypatch):

@@ -422,11 +422,11 @@ def test_convert_checks_its_output_path_before_any_work(capsys, tmp_path, monkey
         raise AssertionError("the checkpoint was read before the output path was checked")
 
     monkeypatch.setattr(convert_module, "resolve_source", no_work)
-    with pytest.raises(IsADirectoryError, match="is a directory"):
+    with pytest.raises(IsADirectoryError, match="is a folder"):
         convert_module.convert("anything", tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         convert_module.convert("anything", tmp_path / "no" / "m.nanoqwen")
-    assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path), "is a directory")
+    assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path), "is a folder")
     assert_one_line_error(cli_run(capsys, "convert", "anything", tmp_path / "no" / "m.nanoqwen"), "does not exist")
     # a trailing slash names a folder: Path() would drop it and write a file called "out"
     assert_one_line_error(cli_run(capsys, "convert", "anything", f"{tmp_path / 'out'}/"), "names a folder")

@@ -217,7 +217,8 @@ OUTPUT_OPTIONS = [
 @pytest.mark.parametrize("name, option, arguments", OUTPUT_OPTIONS)
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(name, option, arguments, tmp_path):
     rest = [a.format(tmp=tmp_path) for a in arguments]
-    for target, message in ((tmp_path / "no" / "record", "does not exist"), (tmp_path, "names a folder")):
+    for target, message in ((tmp_path / "no" / "record", "does not exist"), (tmp_path, "is a folder"),
+                            ("/dev/null", "is not a regular file")):
         done = run_tool(name, *rest, option, str(target))
         assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1], done.stderr
         assert "Traceback" not in done.stderr

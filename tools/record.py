@@ -34,12 +34,12 @@ def record_header(command: str) -> dict:
 def output_path(value: str) -> Path:
     """argparse's type for a file a tool writes when it ends (a record, a JSON report): a bad path is
     an error when the arguments are read, not after minutes of measuring."""
-    path = Path(value)
-    if not value or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r} names a folder, not a file to write")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r}: the folder {path.parent} does not exist")
-    return path
+    from nanoqwen.format import output_file_problem
+
+    problem = output_file_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(str(problem))
+    return Path(value)
 
 
 def write_record(out: Path, record: dict, markdown: str) -> None:
