@@ -8,6 +8,7 @@ needs a machine without a GPU (or without some program) is skipped where the mac
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -294,3 +295,40 @@ def test_gpu_session_fails_when_a_step_fails(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     summary = done.stdout.strip().splitlines()
     assert summary[-2] == "=== summary" and summary[-1].startswith("decode by size") and "rc=2" in summary[-1]
+
+
+NANO_CODER_TRAIN = TOOLS / "nano_coder" / "train.py"
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--fim-segment-chars", "0", "must be at least 1"), ("--seq-len", "1", "must be at least 2"),
+    ("--batch-size", "0", "must be at least 1"), ("--batch-size", "-2", "must be at least 1"),
+    ("--eval-windows", "0", "must be at least 1"), ("--sample-tokens", "0", "must be at least 1"),
+    ("--grad-clip", "nan", "must be a positive number"), ("--lr", "inf", "must be a positive number"),
+    ("--fim-rate", "1.5", "must lie between 0 and 1"), ("--weight-decay", "-0.1", "must be a number >= 0"),
+])
+def test_nano_coder_training_refuses_options_it_cannot_run_with(tmp_path, option, value, message):
+    done = subprocess.run([sys.executable, str(NANO_CODER_TRAIN), "--out", str(tmp_path / "out"), option, value],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"{option} {value}: {message}" in done.stderr.splitlines()[-1], done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nano_coder_training_stopped_by_sigterm_leaves_nothing(tmp_path):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("nano-coder's training needs torch")
+    (tmp_path / "roots").mkdir()
+    for i in range(4):  # a training file and a held-out one at least
+        (tmp_path / "roots" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 200)
+    out, log = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}.log"  # a pipe nobody reads could fill and block it
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, str(NANO_CODER_TRAIN), "--out", str(out), "--roots",
+                                    str(tmp_path / "roots"), "--device", "cpu", "--train-seconds", "60",
+                                    "--heldout-percent", "30"], stdout=output, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 100
+    while not list(tmp_path.glob(".out.*.partial")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(tmp_path.glob(".out.*.partial")), "the run never made its staging folder"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["roots"]

@@ -29,6 +29,7 @@ import platform
 import random
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -88,9 +89,21 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="new tokens per greedy sample (default: 64 on GPU, 16 on CPU)")
     args = p.parse_args(argv)
-    for name in ("train_seconds", "max_corpus_mb", "max_file_kb", "tokenizer_sample_mb", "lr"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    option = lambda name: f"--{name.replace('_', '-')} {getattr(args, name)}"
+    for name in ("train_seconds", "deadline_seconds", "reserve_seconds", "max_corpus_mb", "max_file_kb",
+                 "tokenizer_sample_mb", "lr", "grad_clip", "log_every_seconds"):
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"{option(name)}: must be a positive number")
+    for name in ("fim_rate", "min_lr_ratio", "warmup_frac"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"{option(name)}: must lie between 0 and 1")
+    if not 0 <= args.weight_decay < math.inf:
+        p.error(f"{option('weight_decay')}: must be a number >= 0")
+    # A piece of FIM text needs a character; a training window a token to predict from another.
+    for name, least in (("fim_segment_chars", 1), ("seq_len", 2), ("batch_size", 1), ("eval_windows", 1),
+                        ("sample_tokens", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"{option(name)}: must be at least {least}")
     if not 0 < args.heldout_percent < 100:
         p.error(f"--heldout-percent must lie between 0 and 100, got {args.heldout_percent}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -280,6 +293,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Everything is written beside --out first, and moves there only when the run has finished.
+    for name in ("SIGTERM", "SIGHUP"):  # end the run through the finally below, as Ctrl-C does
+        signal.signal(getattr(signal, name), lambda signum, frame: sys.exit(128 + signum))
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         train(args, device, staging, argv)
@@ -351,9 +366,9 @@ def train(args, device, folder: Path, argv):
 
     args.device = str(device)
     cuda = device.type == "cuda"
-    batch = args.batch_size or (128 if cuda else 8)
-    eval_windows = args.eval_windows or (1024 if cuda else 16)
-    sample_tokens = args.sample_tokens or (64 if cuda else 16)
+    batch = (128 if cuda else 8) if args.batch_size is None else args.batch_size
+    eval_windows = (1024 if cuda else 16) if args.eval_windows is None else args.eval_windows
+    sample_tokens = (64 if cuda else 16) if args.sample_tokens is None else args.sample_tokens
     use_compile = args.compile == "on" or (args.compile == "auto" and cuda)
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls left
@@ -490,6 +505,9 @@ def train(args, device, folder: Path, argv):
     # ---- 5. evaluation, samples, checkpoint ------------------------------------------------
     model.eval()
     heldout_loss, heldout_count = run_eval(step, tokens_seen, 1.0)
+    if not (math.isfinite(final_train_loss) and math.isfinite(heldout_loss)):
+        sys.exit(f"train.py: the run ended with train loss {final_train_loss} and held-out loss {heldout_loss} "
+                 f"after {step} steps: no checkpoint is written (a lower --lr may keep it from diverging)")
 
     # Samples from the fp32 training weights (greedy, so reproducible given the weights).
     samples = []
