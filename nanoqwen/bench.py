@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .byte_floor import bytes_per_token
-from .cli import subcommand
+from .cli import ascii_int, subcommand
 from .config import ModelConfig
 from .cuda.profile import (
     TIMING_STEPS,
@@ -274,10 +274,10 @@ def format_report(report: dict) -> str:
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="a .nanoqwen file (the 7B: see `python -m nanoqwen.random_model`)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-tokens", type=ascii_int, default=512)
+    p.add_argument("--new-tokens", type=ascii_int, default=128)
+    p.add_argument("--repeats", type=ascii_int, default=3)
+    p.add_argument("--seed", type=ascii_int, default=0)
     p.add_argument("--baseline", action="store_true", help="also time transformers on the same shapes (needs torch)")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16", help="decode projections' input precision")
     p.add_argument("--prefill-weights", choices=("auto", "cache", "expand"), default="auto",

@@ -15,6 +15,7 @@ Exit status: 0 success, 1 a problem with the input (one line on stderr, no trace
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import importlib.util
 import os
@@ -51,6 +52,25 @@ def subcommand(name: str, help: str, arguments: Callable[[argparse.ArgumentParse
 def _user_errors() -> tuple[type[BaseException], ...]:
 
     return USER_ERRORS + (BackendUnavailableError,)
+
+
+# Numbers on the command line in ASCII: int() and float() alone also read '١٢', '１２' and '1_0'.
+ASCII_INTEGER = re.compile(r"[+-]?[0-9]+")
+ASCII_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def ascii_int(text: str) -> int:
+    """argparse's type for an integer option."""
+    if not ASCII_INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r:.40} is not an integer in ASCII digits")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """argparse's type for a number option (inf and nan pass, for the option's own check to name)."""
+    if not ASCII_FLOAT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r:.40} is not a number in ASCII digits")
+    return float(text)
 
 
 def _mib(n: int) -> str:
@@ -155,13 +175,13 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+    p.add_argument("--max-new-tokens", type=ascii_int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                    help=f"at most N new tokens ({DEFAULT_MAX_NEW_TOKENS} by default)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass, 1 (default) keeps every token")
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument("--speculate", type=int, default=0, metavar="N",
+    p.add_argument("--temperature", type=ascii_float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=ascii_int, default=0, metavar="K", help="0 (default) keeps every token")
+    p.add_argument("--top-p", type=ascii_float, default=1.0, metavar="P", help="nucleus mass, 1 (default) keeps every token")
+    p.add_argument("--seed", type=ascii_int, default=None, help="makes sampling reproducible")
+    p.add_argument("--speculate", type=ascii_int, default=0, metavar="N",
                    help="draft up to N tokens per pass from the prompt and the text so far and verify them in one "
                         "pass over the weights: the same tokens, fewer passes when the output copies the prompt "
                         "(0, the default, is off)")
@@ -172,7 +192,7 @@ def _sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-weights", choices=("auto", "cache", "expand"), default="auto",
                    help="CUDA backend: keep fp16 copies of the projections for prefill (cache, 2 bytes per weight), "
                         "dequantize them per prompt (expand), or cache when the GPU has room (auto, the default)")
-    p.add_argument("--max-context", type=int, default=None, metavar="N",
+    p.add_argument("--max-context", type=ascii_int, default=None, metavar="N",
                    help="KV cache capacity in tokens (default: the model's, at most 4096)")
 
 
@@ -218,13 +238,73 @@ def _sampling(args: argparse.Namespace) -> dict:
                 allow_special_tokens=args.allow_special_tokens)
 
 
-def _read_stdin() -> str:
+# The most bytes of stdin an id of --token-ids may take, its separators included.
+TOKEN_ID_BYTES = 32
+# C0 controls but tab, newline and carriage return, DEL, and C1: a terminal acts on them (ESC opens
+# sequences that set its title or its clipboard), so text a model writes shows them escaped there.
+TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A, 0x0D)}
+
+
+def _stdin_limit(engine, token_ids: bool) -> int:
+    """The most bytes of stdin a prompt may take (stdin can be endless: `< /dev/zero`): what the
+    context's tokens can spell as text, or TOKEN_ID_BYTES an id."""
+    if token_ids or engine.tokenizer is None:
+        return engine.max_context * TOKEN_ID_BYTES
+    return engine.tokenizer.max_text_bytes
+
+
+def _decode_stdin(data: bytes | str, what: str) -> str:
+    """Text read from stdin, in stdin's encoding (PYTHONIOENCODING's, else the locale's), without
+    a leading byte-order mark (a file saved by some Windows editors starts with one)."""
+    if isinstance(data, bytes):
+        encoding = sys.stdin.encoding or "utf-8"
+        try:
+            data = data.decode(encoding, sys.stdin.errors or "strict")
+        except UnicodeDecodeError as e:
+            name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+            raise GenerationError(f"{what} is not {name} text ({e})") from None
+    return data.removeprefix("\ufeff")
+
+
+def _read_stdin(limit: int, max_context: int) -> str:
     if sys.stdin is None:  # started with stdin closed (`<&-`): Python leaves it None
         raise GenerationError("PROMPT is '-' but stdin is closed: there is no prompt to read")
+    stream = getattr(sys.stdin, "buffer", sys.stdin)
     try:
-        return sys.stdin.read()
-    except UnicodeDecodeError as e:
+        data = stream.read(limit + 1)
+    except UnicodeDecodeError as e:  # a text stream without a buffer
         raise GenerationError(f"PROMPT from stdin is not UTF-8 text ({e})") from None
+    if len(data) > limit:
+        raise GenerationError(f"PROMPT from stdin is longer than {limit:,} bytes, more than the context of "
+                              f"{max_context:,} tokens can hold")
+    return _decode_stdin(data, "PROMPT from stdin")
+
+
+def _read_turn(limit: int) -> str:
+    """A chat's next line: input() at a terminal (line editing and history), else a line of a pipe or
+    file of at most `limit` bytes (GenerationError for a longer one, whose rest is skipped).
+    EOFError at the end of the input."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None or sys.stdin.isatty():
+        return input(">>> ")
+    sys.stdout.write(">>> ")
+    sys.stdout.flush()
+    line = stream.readline(limit + 1)
+    if not line:
+        raise EOFError
+    if len(line) > limit and not line.endswith(b"\n"):
+        while (rest := stream.readline(1 << 16)) and not rest.endswith(b"\n"):
+            pass
+        raise GenerationError(f"that line is longer than {limit:,} bytes, more than the context can hold")
+    return _decode_stdin(line, "that line").removesuffix("\n").removesuffix("\r")
+
+
+def _write_text(text: str) -> None:
+    """Text a model wrote, to stdout, control characters escaped where stdout is a terminal."""
+    if sys.stdout.isatty():
+        text = text.translate(TERMINAL_ESCAPES)
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _names_a_model(argument: str) -> bool:
@@ -240,7 +320,7 @@ def _names_a_model(argument: str) -> bool:
 def _token_ids(prompt: str) -> list[int]:
     """--token-ids' PROMPT: integers in ASCII digits (int() alone also reads '١٢' and '1_0')."""
     words = prompt.replace(",", " ").split()
-    if not all(re.fullmatch("[+-]?[0-9]+", word) for word in words):
+    if not all(ASCII_INTEGER.fullmatch(word) for word in words):
         raise GenerationError(f"--token-ids: PROMPT must be integers in ASCII digits, got {prompt!r:.60}")
     return [int(word) for word in words]
 
@@ -250,20 +330,24 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model is None and args.prompt != "-" and _names_a_model(args.prompt):
         # argparse gave the only positional to PROMPT; generating from the shipped model with
         # a file name as the prompt would be a silent surprise.
-        args.parser.error(f"missing PROMPT: {args.prompt!r} names a model file; "
-                          f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
-    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+        if args.prompt.endswith(".nanoqwen"):
+            args.parser.error(f"missing PROMPT: {args.prompt!r} names a model file; "
+                              f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
+        args.parser.error(f"missing PROMPT: {args.prompt!r} is a file, which would be read as the model; write "
+                          f"`nanoqwen generate {args.prompt} PROMPT` if it is one, or "
+                          f"`nanoqwen generate - < {args.prompt}` to continue its text with the shipped model")
+    engine = _engine(args)
+    prompt = (_read_stdin(_stdin_limit(engine, args.token_ids), engine.max_context) if args.prompt == "-"
+              else args.prompt)
     if args.token_ids:
         prompt = _token_ids(prompt)
-    engine = _engine(args)
     with engine.stream(prompt, chat=args.chat, fim_suffix=args.fim_suffix, **_sampling(args)) as stream:
         for piece in stream:
             if args.token_ids:
                 if piece.token_id is not None:
                     print(piece.token_id, end=" ", flush=True)
             else:
-                sys.stdout.write(piece.text)
-                sys.stdout.flush()
+                _write_text(piece.text)
     print()
     print(_stats_line(stream.result, speculated=args.speculate > 0), file=sys.stderr)
     return 0
@@ -309,21 +393,29 @@ def run_chat(args: argparse.Namespace) -> int:
 
         check_unicode(args.system, "--system")
     opening = [{"role": "system", "content": args.system}] if args.system else []
-    first_turn = len(engine.encode_prompt(opening + [{"role": "user", "content": ""}], chat=True))
+    try:
+        first_turn = len(engine.encode_prompt(opening + [{"role": "user", "content": ""}], chat=True))
+    except GenerationError as e:
+        raise GenerationError(f"--system: {e}" if args.system else str(e)) from None
     if first_turn + args.max_new_tokens > engine.max_context:
-        raise GenerationError(f"--max-new-tokens {args.max_new_tokens} and the chat template's {first_turn} tokens around "
+        around = "the chat template's and --system's" if args.system else "the chat template's"
+        shorter = "shorten --system, " if args.system else ""
+        raise GenerationError(f"--max-new-tokens {args.max_new_tokens} and {around} {first_turn} tokens around "
                               f"a first message leave it no room in the context of {engine.max_context} tokens: "
-                              "lower --max-new-tokens or raise --max-context")
+                              f"{shorter}lower --max-new-tokens or raise --max-context")
     history = list(opening)
     print(f"chatting with {engine.model.path.name} on {engine.backend.name}; /exit to leave, /reset to forget")
     while True:
         try:
-            line = input(">>> ")
+            line = _read_turn(engine.tokenizer.max_text_bytes)
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        except UnicodeDecodeError as e:
+        except UnicodeDecodeError as e:  # input()'s
             print(f"error: that line is not UTF-8 text ({e})", file=sys.stderr)
+            continue
+        except GenerationError as e:
+            print(f"error: {e}", file=sys.stderr)
             continue
         if line.strip() in ("/exit", "/quit"):
             return 0
@@ -339,8 +431,7 @@ def run_chat(args: argparse.Namespace) -> int:
             with engine.stream(history, **_sampling(args)) as stream:
                 for piece in stream:
                     pieces.append(piece.text)
-                    sys.stdout.write(piece.text)
-                    sys.stdout.flush()
+                    _write_text(piece.text)
             print()
         except KeyboardInterrupt:
             print(" [interrupted]")
@@ -377,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stdout", "stderr"):  # Python leaves a closed stream None (`nanoqwen generate ... >&-`)
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))
+    if callable(getattr(sys.stdout, "reconfigure", None)):
+        # A terminal or pipe whose encoding cannot spell every character (ASCII, Latin-1) shows the
+        # rest as \u escapes, as Python's stderr does, instead of ending the run.
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args, unparsed = parser.parse_known_args(argv)
@@ -400,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanoqwen {args.command}: error: {e}", file=sys.stderr)
         return 1
     except MemoryError as e:  # NumPy's and CuPy's out-of-memory errors both derive from it
-        print(f"nanoqwen {args.command}: error: out of memory ({e or 'an allocation failed'}): the model, or "
+        print(f"nanoqwen {args.command}: error: out of memory ({str(e) or 'an allocation failed'}): the model, or "
               "the context asked for, needs more memory than this machine has", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -222,6 +222,9 @@ class Engine:
         if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
             raise GenerationError("empty conversation: chat needs at least one message")
         if isinstance(prompt, str) or _is_messages(prompt):
+            if self.tokenizer is None and (chat or fim_suffix is not None or not isinstance(prompt, str)):
+                raise GenerationError(f"{self.model.path} carries no tokenizer, so it has no chat template or "
+                                      "fill-in-the-middle tokens: it takes only token ids")
             if self.tokenizer is None:
                 raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids "
                                       "(--token-ids on the command line)")
@@ -245,8 +248,11 @@ class Engine:
                 ids = self.tokenizer.around_prompt(ids)
             ids = self._check_token_ids(ids, "the encoded prompt", "a flat sequence of integer token ids")
         else:
-            if chat or fim_suffix is not None:
-                raise GenerationError("chat and fim_suffix need a text prompt, not token ids")
+            if chat:
+                raise GenerationError("chat needs a text prompt or a list of chat messages (mappings with 'role' "
+                                      f"and 'content'), got {prompt!r:.80}")
+            if fim_suffix is not None:
+                raise GenerationError(f"fim_suffix needs a text prompt, got {prompt!r:.80}")
             ids = self._check_token_ids(prompt, "prompt", "text, chat messages or a flat sequence of integer token ids")
         if not ids:
             raise GenerationError("the prompt is empty (0 tokens)")
@@ -262,6 +268,11 @@ class Engine:
             array = np.asarray(ids)
         except (ValueError, TypeError):  # ragged nesting, objects NumPy cannot hold
             array = None
+        if array is not None and array.ndim == 1 and array.dtype == object and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in array):
+            bad = [i for i in array if not 0 <= i < self.config.vocab_size]  # integers past int64
+            raise GenerationError(f"{what} holds token id {str(bad[0]):.40} outside the vocabulary "
+                                  f"0..{self.config.vocab_size - 1}")
         if array is None or array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
             raise GenerationError(f"{what} must be {accepted}, got {ids!r:.80}")
         bad = array[(array < 0) | (array >= self.config.vocab_size)]

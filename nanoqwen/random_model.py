@@ -158,14 +158,16 @@ def write_random_model(
 
 
 def main(argv=None) -> None:
+    from .cli import ascii_int
+
     parser = argparse.ArgumentParser(prog="python -m nanoqwen.random_model",
                                      description="Write a .nanoqwen file with random weights.")
     parser.add_argument("out", help="path of the .nanoqwen file to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-coder-7b",
                         help="the published shape to copy (default: the 7B, a 5.5 GB file)")
-    parser.add_argument("--layers", type=int, default=None, metavar="N",
+    parser.add_argument("--layers", type=ascii_int, default=None, metavar="N",
                         help="keep the preset's widths but only N layers (a reference that must fit in memory)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=ascii_int, default=0)
     parser.add_argument("--tokenizer-dir", help="directory with tokenizer.json and tokenizer_config.json")
     args = parser.parse_args(argv)
     if args.seed < 0:

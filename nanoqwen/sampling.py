@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from .errors import GenerationError
@@ -28,6 +29,9 @@ __all__ = ["GREEDY", "SamplingParams", "gumbel_noise", "sample"]
 MAX_TEMPERATURE = 1e30
 # A request's length when it names none (Engine.generate, and the CLI's --max-new-tokens).
 DEFAULT_MAX_NEW_TOKENS = 256
+# Seeds are 64-bit, as torch's and vLLM's are: a larger integer only costs time (its hash into the
+# key) and cannot be printed past Python's 4,300 digits.
+MAX_SEED = 2**64
 
 
 
@@ -64,8 +68,10 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 < _exact(p) <= 1:
             raise GenerationError(f"top_p must be a number in (0, 1] (1 = no nucleus filter), got {p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise GenerationError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            got = (f"an integer of {self.seed.bit_length():,} bits" if _is_int(self.seed) and abs(self.seed) >= MAX_SEED
+                   else f"{self.seed!r:.60}")  # repr() of an integer past 4,300 digits raises
+            raise GenerationError(f"seed must be None or an integer in [0, 2**64), got {got}")
         # Plain Python numbers from here on: numpy's unsigned and fixed-width scalars overflow or
         # refuse mixed arithmetic (np.uint64(5) - 1 is a float64), Python's do neither.
         object.__setattr__(self, "temperature", float(t))
@@ -85,9 +91,9 @@ class SamplingParams:
         """Whether top-k or top-p restricts the draw: they need the tokens in order of probability."""
         return self.top_k > 0 or self.top_p < 1
 
-    @property
+    @cached_property
     def key(self) -> tuple[int, int]:
-        """The generator's two 32-bit key words, from the seed (any size) by numpy's SeedSequence."""
+        """The generator's two 32-bit key words, from the seed by numpy's SeedSequence."""
         key0, key1 = np.random.SeedSequence(self.seed or 0).generate_state(2, np.uint32)
         return int(key0), int(key1)
 

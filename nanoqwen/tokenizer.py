@@ -402,14 +402,20 @@ class Tokenizer:
         vocabulary = self.backend.get_vocab(with_added_tokens=True)
         return min(max((len(token.encode("utf-8")) for token in vocabulary), default=1), MAX_TOKEN_BYTES)
 
+    @property
+    def max_text_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text an encode accepts (None: no context set): what max_tokens of
+        the longest token spell, NORMALIZATION_SLACK times over."""
+        return None if self.max_tokens is None else self.max_tokens * self.longest_token_bytes * NORMALIZATION_SLACK
+
     def _check_fits(self, text: str) -> None:
         if self.max_tokens is None:
             return
         spelled = self.max_tokens * self.longest_token_bytes
-        if 4 * len(text) <= spelled * NORMALIZATION_SLACK:  # UTF-8 spends at most 4 bytes a character
+        if 4 * len(text) <= self.max_text_bytes:  # UTF-8 spends at most 4 bytes a character
             return  # fits without encoding the text a second time (check_unicode has just encoded it)
         size = len(text.encode("utf-8"))
-        if size > spelled * NORMALIZATION_SLACK:
+        if size > self.max_text_bytes:
             raise GenerationError(
                 f"the text has {size:,} bytes of UTF-8, more than {self.max_tokens:,} tokens can hold: a token of "
                 f"this vocabulary spells at most {self.longest_token_bytes} bytes, so {self.max_tokens:,} tokens "
@@ -453,8 +459,8 @@ class Tokenizer:
             raise GenerationError(f"decode takes token ids, got {token_ids!r:.60}") from None
         for token_id in ids:
             if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)) or token_id < 0:
-                raise GenerationError(f"decode takes non-negative integer token ids, got {token_id!r:.40}")
-        return self._decode_sampled([int(i) for i in ids])
+                raise GenerationError(f"decode takes non-negative integer token ids, got {str(token_id):.40}")
+        return self._decode_sampled([int(i) for i in ids if i < 2**32])  # the library's ids are 32-bit
 
     def _decode_sampled(self, token_ids: list[int]) -> str:
         """`decode` for ids the engine sampled, already ints of the model's vocabulary: StreamDecoder's

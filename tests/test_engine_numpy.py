@@ -307,8 +307,11 @@ BAD_REQUESTS = [
     (dict(prompt="x", stop_token_ids={1: 2}), "not a mapping"),
     (dict(prompt="x", stop_token_ids=memoryview(b"ab")), "not bytes"),
     (dict(prompt=memoryview(bytearray(10**6))), "not bytes"),
-    (dict(prompt=[1, 2], chat=True), "need a text prompt"),
-    (dict(prompt=[1, 2], fim_suffix="y"), "need a text prompt"),
+    (dict(prompt=[1, 2], chat=True), "chat needs a text prompt or a list of chat messages"),
+    (dict(prompt=[[{"role": "user", "content": "hi"}]], chat=True), "chat needs a text prompt or a list of chat"),
+    (dict(prompt=[1, 2], fim_suffix="y"), "fim_suffix needs a text prompt"),
+    (dict(prompt=[1, 10**30]), "token id 1000000000000000000000000000000 outside the vocabulary"),
+    (dict(prompt=[1, 2], stop_token_ids=[-(10**30)]), "stop_token_ids holds token id -1000000000000000000000000000000"),
     (dict(prompt="x", chat=True, fim_suffix="y"), "cannot be combined"),
     (dict(prompt=[{"role": "user"}]), "'role' and 'content'"),
 ]

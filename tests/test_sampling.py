@@ -30,6 +30,8 @@ LOGITS = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
     (dict(top_p=float("nan")), "top_p"),
     (dict(seed=-5), "seed"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*64\)"),
+    (dict(seed=2**20000), "seed"),  # printing it would fail past 4,300 digits; the message cuts it
 ])
 def test_nonsense_is_refused(kwargs, field):
     with pytest.raises(GenerationError, match=field):

@@ -486,7 +486,7 @@ def test_chat_reports_an_undecodable_line_and_goes_on(engine, capsys, monkeypatc
     from nanoqwen import cli as cli_module
 
     lines = iter(["caf\udce9", "hello", "/exit"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
     status = cli_module.main(["chat", str(engine.model.path), "--backend", "numpy", "--max-new-tokens", "2"])
     assert status == 0 and capsys.readouterr().err.count("not valid Unicode text") == 1
 
@@ -574,3 +574,4 @@ def test_arguments_of_the_wrong_type_are_named(files):
             call()
     beyond = tok.largest_token_id + 1  # a padded embedding row: spells nothing, as in transformers
     assert tok.decode([beyond]) == "" and tok.decode([np.int64(tok.token_id("<|im_end|>"))]) == "<|im_end|>"
+    assert tok.decode([65, 2**32, 10**30]) == tok.decode([65])  # past any 32-bit id: nothing either
