@@ -38,7 +38,7 @@ from .cuda.profile import (
 )
 from .errors import BackendUnavailableError, GenerationError
 from .format import output_file_problem
-from .sampling import GREEDY
+from .sampling import GREEDY, MAX_SEED
 
 # Sampled decoding, timed beside the greedy protocol: temperature and top-k (with top-p or not) are
 # drawn in the decode graph; so is a top-p alone, but for the steps whose run is longer than the
@@ -287,12 +287,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 @subcommand("bench", "time prefill and decode on the GPU (512-token prompt, 128 greedy tokens)", _arguments)
 def main(args: argparse.Namespace) -> int:
-    if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1 or args.seed < 0:
-        print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2, --repeats >= 1 and --seed >= 0",
-              file=sys.stderr)
+    if (args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1 or args.seed < 0
+            or args.seed + args.repeats > MAX_SEED):  # the sampled runs take seeds seed .. seed + repeats - 1
+        print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2, --repeats >= 1 and --seed >= 0, "
+              "with --seed + --repeats at most 2**64", file=sys.stderr)
         return 2
-    json_path = None if args.json is None else Path(args.json)
-    problem = None if args.json is None else output_file_problem(args.json)
+    # Resolved: a link such as /dev/stdout is checked, and replaced, as what it names.
+    json_path = None if args.json is None else Path(args.json).resolve()
+    problem = None if args.json is None else output_file_problem(args.json) or output_file_problem(json_path)
     if problem is not None:
         print(f"nanoqwen bench: --json: {problem}", file=sys.stderr)
         return 2  # before minutes of measuring, not after

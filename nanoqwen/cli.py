@@ -61,14 +61,14 @@ ASCII_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-
 
 def ascii_int(text: str) -> int:
     """argparse's type for an integer option."""
-    if not ASCII_INTEGER.fullmatch(text):
+    if not ASCII_INTEGER.fullmatch(text.strip()):
         raise argparse.ArgumentTypeError(f"{text!r:.40} is not an integer in ASCII digits")
     return int(text)
 
 
 def ascii_float(text: str) -> float:
     """argparse's type for a number option (inf and nan pass, for the option's own check to name)."""
-    if not ASCII_FLOAT.fullmatch(text):
+    if not ASCII_FLOAT.fullmatch(text.strip()):
         raise argparse.ArgumentTypeError(f"{text!r:.40} is not a number in ASCII digits")
     return float(text)
 
@@ -238,73 +238,69 @@ def _sampling(args: argparse.Namespace) -> dict:
                 allow_special_tokens=args.allow_special_tokens)
 
 
-# The most bytes of stdin an id of --token-ids may take, its separators included.
-TOKEN_ID_BYTES = 32
+# The most characters of stdin an id of --token-ids may take, its separators included.
+TOKEN_ID_CHARACTERS = 32
 # C0 controls but tab, newline and carriage return, DEL, and C1: a terminal acts on them (ESC opens
 # sequences that set its title or its clipboard), so text a model writes shows them escaped there.
 TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A, 0x0D)}
 
 
 def _stdin_limit(engine, token_ids: bool) -> int:
-    """The most bytes of stdin a prompt may take (stdin can be endless: `< /dev/zero`): what the
-    context's tokens can spell as text, or TOKEN_ID_BYTES an id."""
+    """The most characters of stdin a prompt may take (stdin can be endless: `< /dev/zero`): as many
+    as the bytes the context's tokens can spell, or TOKEN_ID_CHARACTERS an id."""
     if token_ids or engine.tokenizer is None:
-        return engine.max_context * TOKEN_ID_BYTES
+        return engine.max_context * TOKEN_ID_CHARACTERS
     return engine.tokenizer.max_text_bytes
 
 
-def _decode_stdin(data: bytes | str, what: str) -> str:
-    """Text read from stdin, in stdin's encoding (PYTHONIOENCODING's, else the locale's), without
-    a leading byte-order mark (a file saved by some Windows editors starts with one)."""
-    if isinstance(data, bytes):
+def _stdin_text(read, what: str) -> str:
+    """`read()` of stdin, in stdin's encoding (PYTHONIOENCODING's, else the locale's), without a
+    leading byte-order mark (a file saved by some Windows editors starts with one)."""
+    try:
+        return read().removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
         encoding = sys.stdin.encoding or "utf-8"
-        try:
-            data = data.decode(encoding, sys.stdin.errors or "strict")
-        except UnicodeDecodeError as e:
-            name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
-            raise GenerationError(f"{what} is not {name} text ({e})") from None
-    return data.removeprefix("\ufeff")
+        name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+        raise GenerationError(f"{what} is not {name} text ({e})") from None
 
 
 def _read_stdin(limit: int, max_context: int) -> str:
-    if sys.stdin is None:  # started with stdin closed (`<&-`): Python leaves it None
-        raise GenerationError("PROMPT is '-' but stdin is closed: there is no prompt to read")
-    stream = getattr(sys.stdin, "buffer", sys.stdin)
-    try:
-        data = stream.read(limit + 1)
-    except UnicodeDecodeError as e:  # a text stream without a buffer
-        raise GenerationError(f"PROMPT from stdin is not UTF-8 text ({e})") from None
-    if len(data) > limit:
-        raise GenerationError(f"PROMPT from stdin is longer than {limit:,} bytes, more than the context of "
+    text = _stdin_text(lambda: sys.stdin.read(limit + 2), "PROMPT from stdin")  # room for a byte-order mark, and to see past the limit
+    if len(text) > limit:
+        raise GenerationError(f"PROMPT from stdin is longer than {limit:,} characters, more than the context of "
                               f"{max_context:,} tokens can hold")
-    return _decode_stdin(data, "PROMPT from stdin")
+    return text
 
 
 def _read_turn(limit: int) -> str:
     """A chat's next line: input() at a terminal (line editing and history), else a line of a pipe or
-    file of at most `limit` bytes (GenerationError for a longer one, whose rest is skipped).
+    file of at most `limit` characters (GenerationError for a longer one, whose rest is skipped).
     EOFError at the end of the input."""
-    stream = getattr(sys.stdin, "buffer", None)
-    if stream is None or sys.stdin.isatty():
+    if sys.stdin.isatty():
         return input(">>> ")
     sys.stdout.write(">>> ")
     sys.stdout.flush()
-    line = stream.readline(limit + 1)
+    line = _stdin_text(lambda: sys.stdin.readline(limit + 4), "that line")  # a mark, CR and LF, and one past the limit
     if not line:
         raise EOFError
-    if len(line) > limit and not line.endswith(b"\n"):
-        while (rest := stream.readline(1 << 16)) and not rest.endswith(b"\n"):
-            pass
-        raise GenerationError(f"that line is longer than {limit:,} bytes, more than the context can hold")
-    return _decode_stdin(line, "that line").removesuffix("\n").removesuffix("\r")
+    text = line.removesuffix("\n").removesuffix("\r")
+    if len(text) > limit:
+        ended = line.endswith("\n")
+        while not ended and (rest := sys.stdin.readline(1 << 16)):
+            ended = rest.endswith("\n")
+        raise GenerationError(f"that line is longer than {limit:,} characters, more than the context can hold")
+    return text
 
 
-def _write_text(text: str) -> None:
-    """Text a model wrote, to stdout, control characters escaped where stdout is a terminal."""
-    if sys.stdout.isatty():
-        text = text.translate(TERMINAL_ESCAPES)
-    sys.stdout.write(text)
-    sys.stdout.flush()
+def _text_writer() -> Callable[[str], None]:
+    """A writer of text a model wrote to stdout: where stdout is a terminal, control characters escaped."""
+    escapes = TERMINAL_ESCAPES if getattr(sys.stdout, "isatty", lambda: False)() else None
+
+    def write(text: str) -> None:
+        sys.stdout.write(text if escapes is None else text.translate(escapes))
+        sys.stdout.flush()
+
+    return write
 
 
 def _names_a_model(argument: str) -> bool:
@@ -320,8 +316,8 @@ def _names_a_model(argument: str) -> bool:
 def _token_ids(prompt: str) -> list[int]:
     """--token-ids' PROMPT: integers in ASCII digits (int() alone also reads '١٢' and '1_0')."""
     words = prompt.replace(",", " ").split()
-    if not all(ASCII_INTEGER.fullmatch(word) for word in words):
-        raise GenerationError(f"--token-ids: PROMPT must be integers in ASCII digits, got {prompt!r:.60}")
+    if not all(ASCII_INTEGER.fullmatch(word) and len(word) <= 20 for word in words):  # 20: int64's digits and sign
+        raise GenerationError(f"--token-ids: PROMPT must be integers in ASCII digits, at most 20 characters each, got {prompt!r:.60}")
     return [int(word) for word in words]
 
 
@@ -333,21 +329,24 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.prompt.endswith(".nanoqwen"):
             args.parser.error(f"missing PROMPT: {args.prompt!r} names a model file; "
                               f"write `nanoqwen generate {args.prompt} PROMPT` (or '-' to read it from stdin)")
-        args.parser.error(f"missing PROMPT: {args.prompt!r} is a file, which would be read as the model; write "
-                          f"`nanoqwen generate {args.prompt} PROMPT` if it is one, or "
-                          f"`nanoqwen generate - < {args.prompt}` to continue its text with the shipped model")
+        args.parser.error(f"missing PROMPT: {args.prompt!r} is a file; write `nanoqwen generate {args.prompt} PROMPT` "
+                          f"to use it as the model, or `nanoqwen generate - < {args.prompt}` to continue its text "
+                          "with the shipped model")
+    if args.prompt == "-" and sys.stdin is None:  # started with stdin closed (`<&-`): Python leaves it None
+        raise GenerationError("PROMPT is '-' but stdin is closed: there is no prompt to read")
     engine = _engine(args)
     prompt = (_read_stdin(_stdin_limit(engine, args.token_ids), engine.max_context) if args.prompt == "-"
               else args.prompt)
     if args.token_ids:
         prompt = _token_ids(prompt)
+    write = _text_writer()
     with engine.stream(prompt, chat=args.chat, fim_suffix=args.fim_suffix, **_sampling(args)) as stream:
         for piece in stream:
             if args.token_ids:
                 if piece.token_id is not None:
                     print(piece.token_id, end=" ", flush=True)
             else:
-                _write_text(piece.text)
+                write(piece.text)
     print()
     print(_stats_line(stream.result, speculated=args.speculate > 0), file=sys.stderr)
     return 0
@@ -403,7 +402,7 @@ def run_chat(args: argparse.Namespace) -> int:
         raise GenerationError(f"--max-new-tokens {args.max_new_tokens} and {around} {first_turn} tokens around "
                               f"a first message leave it no room in the context of {engine.max_context} tokens: "
                               f"{shorter}lower --max-new-tokens or raise --max-context")
-    history = list(opening)
+    history, write = list(opening), _text_writer()
     print(f"chatting with {engine.model.path.name} on {engine.backend.name}; /exit to leave, /reset to forget")
     while True:
         try:
@@ -414,7 +413,7 @@ def run_chat(args: argparse.Namespace) -> int:
         except UnicodeDecodeError as e:  # input()'s
             print(f"error: that line is not UTF-8 text ({e})", file=sys.stderr)
             continue
-        except GenerationError as e:
+        except GenerationError as e:  # a line too long, or not in stdin's encoding
             print(f"error: {e}", file=sys.stderr)
             continue
         if line.strip() in ("/exit", "/quit"):
@@ -431,7 +430,7 @@ def run_chat(args: argparse.Namespace) -> int:
             with engine.stream(history, **_sampling(args)) as stream:
                 for piece in stream:
                     pieces.append(piece.text)
-                    _write_text(piece.text)
+                    write(piece.text)
             print()
         except KeyboardInterrupt:
             print(" [interrupted]")
@@ -468,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stdout", "stderr"):  # Python leaves a closed stream None (`nanoqwen generate ... >&-`)
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))
-    if callable(getattr(sys.stdout, "reconfigure", None)):
+    if callable(getattr(sys.stdout, "reconfigure", None)) and sys.stdout.errors == "strict":
         # A terminal or pipe whose encoding cannot spell every character (ASCII, Latin-1) shows the
         # rest as \u escapes, as Python's stderr does, instead of ending the run.
         sys.stdout.reconfigure(errors="backslashreplace")

@@ -45,6 +45,7 @@ from .errors import (
     ContextLengthError,
     GenerationError,
     KVCacheFullError,
+    shown,
 )
 from .kvcache import PageAllocator, pages_needed
 from .loader import Model, load
@@ -271,8 +272,10 @@ class Engine:
         if array is not None and array.ndim == 1 and array.dtype == object and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in array):
             bad = [i for i in array if not 0 <= i < self.config.vocab_size]  # integers past int64
-            raise GenerationError(f"{what} holds token id {str(bad[0]):.40} outside the vocabulary "
-                                  f"0..{self.config.vocab_size - 1}")
+            if bad:
+                raise GenerationError(f"{what} holds token id {shown(bad[0])} outside the vocabulary "
+                                      f"0..{self.config.vocab_size - 1}")
+            array = np.array(array.tolist(), dtype=np.int64)
         if array is None or array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
             raise GenerationError(f"{what} must be {accepted}, got {ids!r:.80}")
         bad = array[(array < 0) | (array >= self.config.vocab_size)]

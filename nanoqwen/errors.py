@@ -43,3 +43,11 @@ class BackendUnavailableError(NanoqwenError, RuntimeError):
 
 class LaunchError(NanoqwenError, RuntimeError):
     """cuLaunchKernelEx returned an error; the message names the kernel and the CUresult."""
+
+
+def shown(value, width: int = 40) -> str:
+    """`value` for a message, cut to `width` characters; an integer too large to print in full
+    (str() refuses past 4,300 digits) by its size."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length():,} bits"
+    return f"{value!r:.{width}}"

@@ -143,7 +143,15 @@ def plan_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[np.nda
 
 
 def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)  # the status a shell reports for a process ended by the signal
+    """Raise SystemExit with the status a shell reports for a process ended by the signal; where the
+    signal lands inside a __del__ (a library's, run by the collector), Python would print that
+    exception and drop it, so the signal is sent again once the __del__ has returned."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
+    raise SystemExit(128 + signum)
 
 
 # The signals that end a process by default and that a program may catch: `kill`, and a terminal
@@ -169,11 +177,12 @@ def termination_raises_system_exit() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def output_file_problem(path: str | os.PathLike) -> OSError | None:
+def output_file_problem(path: str | os.PathLike, renamed_over: bool = True) -> OSError | None:
     """Why no file can be written at `path`, or None: it must be in a folder that exists, and be
-    neither a folder (nor written as one, with a trailing slash) nor a device, FIFO or socket
-    (special_file_problem). Everything that writes a file when its work ends (the .nanoqwen
-    writer, `nanoqwen bench --json`, the tools' records) asks before the work begins."""
+    neither a folder (nor written as one, with a trailing slash) nor, where the file is written
+    beside it and renamed over it, a device, FIFO or socket (special_file_problem). Everything
+    that writes a file when its work ends (the .nanoqwen writer, `nanoqwen bench --json`, the
+    tools' records) asks before the work begins."""
     text = os.fspath(path)
     if not text:  # Path("") is the working directory
         return FileNotFoundError("the output path is empty")
@@ -184,7 +193,7 @@ def output_file_problem(path: str | os.PathLike) -> OSError | None:
         return IsADirectoryError(f"{path}: is a folder")
     if not path.parent.is_dir():
         return FileNotFoundError(f"{path}: the folder {path.parent} does not exist")
-    return special_file_problem(path)
+    return special_file_problem(path) if renamed_over else None
 
 
 def special_file_problem(path: Path) -> FileExistsError | None:
@@ -289,7 +298,7 @@ class NanoqwenWriter:
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
-        problem = special_file_problem(self.path)  # made since check_out
+        problem = special_file_problem(self.path)  # a device or FIFO made there after check_out ran
         if problem is not None:
             self.abort()
             raise problem

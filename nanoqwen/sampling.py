@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from .errors import GenerationError
+from .errors import GenerationError, shown
 
 __all__ = ["GREEDY", "SamplingParams", "gumbel_noise", "sample"]
 
@@ -69,9 +69,7 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 < _exact(p) <= 1:
             raise GenerationError(f"top_p must be a number in (0, 1] (1 = no nucleus filter), got {p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
-            got = (f"an integer of {self.seed.bit_length():,} bits" if _is_int(self.seed) and abs(self.seed) >= MAX_SEED
-                   else f"{self.seed!r:.60}")  # repr() of an integer past 4,300 digits raises
-            raise GenerationError(f"seed must be None or an integer in [0, 2**64), got {got}")
+            raise GenerationError(f"seed must be None or an integer in [0, 2**64), got {shown(self.seed)}")
         # Plain Python numbers from here on: numpy's unsigned and fixed-width scalars overflow or
         # refuse mixed arithmetic (np.uint64(5) - 1 is a float64), Python's do neither.
         object.__setattr__(self, "temperature", float(t))

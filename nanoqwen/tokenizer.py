@@ -43,7 +43,7 @@ import numpy as np
 import tokenizers
 
 from .chat_template import compile_template, render
-from .errors import CheckpointError, GenerationError, NanoqwenFormatError
+from .errors import CheckpointError, GenerationError, NanoqwenFormatError, shown
 from .jsonlimits import JSONLimitError, check_json_size, parse_json
 from .loader import (CHAT_TEMPLATE_JINJA, GENERATION_CONFIG_JSON, TOKENIZER_CONFIG_JSON, TOKENIZER_FILES, TOKENIZER_JSON,
                      TOKENIZER_PREFIX)
@@ -459,7 +459,7 @@ class Tokenizer:
             raise GenerationError(f"decode takes token ids, got {token_ids!r:.60}") from None
         for token_id in ids:
             if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)) or token_id < 0:
-                raise GenerationError(f"decode takes non-negative integer token ids, got {str(token_id):.40}")
+                raise GenerationError(f"decode takes non-negative integer token ids, got {shown(token_id)}")
         return self._decode_sampled([int(i) for i in ids if i < 2**32])  # the library's ids are 32-bit
 
     def _decode_sampled(self, token_ids: list[int]) -> str:

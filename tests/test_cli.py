@@ -102,7 +102,7 @@ def test_generate_speculate(capsys, monkeypatch, model_path):
     assert re.search(r"decode [\d.]+ tokens/s on numpy, [\d.]+ tokens per pass over the weights\]", stderr)
     assert "per pass" not in plain[2]
     lines = iter(["def f(x):\n    return x\n\n\ndef f(x):", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     assert run(capsys, "chat", model_path, "--speculate", 4, "--max-new-tokens", 8, "--backend", "numpy")[0] == 0
 
 
@@ -174,7 +174,7 @@ def test_usage_errors_exit_2(capsys):
 
 def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path):
     lines = iter(["hello", "/reset", "write code", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     seen = []
     original = Engine.stream
 
@@ -189,7 +189,7 @@ def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path)
     assert [m["content"] for m in seen[1]] == ["Be brief.", "write code"]  # /reset forgot "hello"
 
     lines = iter(["a question far too long for the context", "still here?", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     seen.clear()
     engine = Engine(model_path, backend="numpy")
     room = engine.max_context - len(engine.encode_prompt([{"role": "user", "content": "still here?"}], chat=True))
@@ -204,13 +204,13 @@ def test_chat_keeps_history_and_survives_errors(capsys, monkeypatch, model_path)
                                                     ("--max-new-tokens", 4096, "leave it no room in the context"),
                                                     ("--system", "caf\udce9", "--system is not valid Unicode")])
 def test_chat_refuses_bad_settings_before_the_first_turn(capsys, monkeypatch, model_path, option, value, message):
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": pytest.fail("asked for a turn it could never answer"))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: pytest.fail("asked for a turn it could never answer"))
     status, stdout, stderr = run(capsys, "chat", model_path, option, value, "--backend", "numpy")
     assert status == 1 and message in stderr and stderr.count("\n") == 1 and not stdout
 
 
 def test_chat_ends_on_eof(capsys, monkeypatch, model_path):
-    def eof(prompt=""):
+    def eof(limit):
         raise EOFError
 
     monkeypatch.setattr("nanoqwen.cli._read_turn", eof)

@@ -41,6 +41,6 @@ def test_one_new_token_has_no_decode_rate(capsys):
 
 def test_chat_reset_says_so(capsys, monkeypatch):
     lines = iter(["/reset", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     status, stdout, _ = run(capsys, "chat", "--backend", "numpy", "--max-new-tokens", 2)
     assert status == 0 and "[conversation reset]" in stdout

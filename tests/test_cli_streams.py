@@ -50,7 +50,7 @@ def test_a_chat_line_longer_than_the_context_can_hold_is_refused_and_the_chat_go
     done = nanoqwen_command("chat", model_path, "--max-context", 64, "--max-new-tokens", 2, *NUMPY, stdin=turns)
     stderr = done.stderr.decode()
     assert done.returncode == 0 and stderr.count("\n") == 1, stderr
-    assert f"that line is longer than {limit:,} bytes" in stderr
+    assert f"that line is longer than {limit:,} characters" in stderr
     assert done.stdout.decode().count(">>> ") == 3  # the long line, hello (answered), /exit
 
 
@@ -60,6 +60,17 @@ def test_a_chat_from_a_pipe_reads_lines_as_a_terminal_would(model_path):
     reply = engine.generate([{"role": "user", "content": "hello"}], max_new_tokens=3).text
     done = nanoqwen_command("chat", model_path, "--max-new-tokens", 3, *NUMPY, stdin=b"\xef\xbb\xbfhello\r\n/exit\r\n")
     assert done.returncode == 0 and f">>> {reply}\n>>> " in done.stdout.decode(), done.stdout
+    utf16 = nanoqwen_command("chat", model_path, "--max-new-tokens", 3, *NUMPY, stdin="hello\n/exit\n".encode("utf-16-le"),
+                             env={"PYTHONIOENCODING": "utf-16-le"})
+    assert utf16.returncode == 0 and f">>> {reply}\n>>> ".encode("utf-16-le") in utf16.stdout, utf16.stderr
+
+
+def test_a_chat_line_at_the_limit_is_taken_whatever_its_ending(model_path):
+    limit = Engine(model_path, backend="numpy", max_context=64).tokenizer.max_text_bytes
+    for line in (b"\xef\xbb\xbf" + b"x" * limit + b"\r\n", b"x" * limit + b"\n"):
+        done = nanoqwen_command("chat", model_path, "--max-context", 64, "--max-new-tokens", 2, *NUMPY,
+                                stdin=line + b"/exit\n")
+        assert "longer than" not in done.stderr.decode(), done.stderr
 
 
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
@@ -73,15 +84,30 @@ def test_output_an_encoding_cannot_spell_is_escaped_not_a_traceback(model_path, 
 def test_control_characters_are_escaped_only_on_a_terminal(monkeypatch, capsys):
     text = "a\tb\r\n\x1b]0;title\x07\x9b\x7f"
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
-    cli._write_text(text)
+    cli._text_writer()(text)
     assert capsys.readouterr().out == text
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    cli._write_text(text)
+    cli._text_writer()(text)
     assert capsys.readouterr().out == "a\tb\r\n\\x1b]0;title\\x07\\x9b\\x7f"
 
 
+def test_a_chat_at_a_terminal_reads_its_lines_with_input(model_path, monkeypatch, capsys):
+    lines = iter(["hello", "/exit"])
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    assert cli.main(["chat", str(model_path), "--max-new-tokens", "2", *NUMPY]) == 0
+    assert next(lines, None) is None
+
+
+def test_a_chat_line_not_in_stdins_encoding_is_reported_and_the_chat_goes_on(model_path):
+    done = nanoqwen_command("chat", model_path, "--max-new-tokens", 2, *NUMPY, stdin=b"caf\xe9\nhello\n/exit\n",
+                            env={"PYTHONIOENCODING": "utf-8"})
+    stderr = done.stderr.decode()
+    assert done.returncode == 0 and stderr.count("\n") == 1 and "that line is not UTF-8 text" in stderr, stderr
+
+
 @pytest.mark.parametrize("option, value", [("--max-new-tokens", "٢"), ("--seed", "１２"), ("--temperature", "٠.٥"),
-                                           ("--max-new-tokens", "1_0"), ("--top-p", "0x1p-1")])
+                                           ("--max-new-tokens", "1_0"), ("--top-p", "½")])
 def test_numbers_are_ascii(model_path, capsys, option, value):
     with pytest.raises(SystemExit) as exit:
         cli.main(["generate", str(model_path), "hi", option, value, *NUMPY])

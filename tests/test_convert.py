@@ -550,6 +550,33 @@ def test_a_termination_signal_mid_conversion_leaves_nothing(checkpoints, tmp_pat
     assert list(out.iterdir()) == []
 
 
+SIGNAL_IN_A_DESTRUCTOR = """
+import os, signal, sys, threading, time
+from nanoqwen.format import termination_raises_system_exit
+
+class Slow:
+    def __del__(self):
+        print("in __del__", flush=True)
+        time.sleep(1.0)
+
+with termination_raises_system_exit():
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        Slow()  # collected at once: its __del__ is running when the signal arrives
+        time.sleep(5)
+        print("ran on", flush=True)
+    finally:
+        print("cleaned up", flush=True)
+"""
+
+
+def test_a_termination_signal_inside_a_destructor_still_ends_the_run():
+    """Python prints and drops an exception raised inside __del__; the signal is taken again after it."""
+    done = subprocess.run([sys.executable, "-c", SIGNAL_IN_A_DESTRUCTOR], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
+    assert done.stdout.split("\n")[:2] == ["in __del__", "cleaned up"] and "Exception ignored" not in done.stderr
+
+
 @pytest.mark.parametrize("extra", ["model.layers.0.self_attn.o_proj.bias", "model.layers.1.self_attn.q_norm.weight",
                                    "some.other.tensor"])
 def test_refuses_tensors_a_qwen2_model_has_no_place_for(checkpoints, tmp_path, extra):

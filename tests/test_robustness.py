@@ -364,7 +364,7 @@ def test_generate_with_a_corrupt_tokenizer_is_one_line(capsys, tmp_path, tokeniz
 def test_chat_suggests_reset_when_the_conversation_outgrows_the_context(capsys, model, monkeypatch):
     turn = "word " * 70  # 326 tokens as a chat: one turn and its 300-token reply fit in 700, two turns do not
     lines = iter([turn, turn, "/reset", "hello", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     status, stdout, stderr = cli_run(capsys, "chat", model.path, "--backend", "numpy", "--max-new-tokens", 300,
                                      "--max-context", 700)
     assert status == 0

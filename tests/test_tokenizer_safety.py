@@ -486,7 +486,7 @@ def test_chat_reports_an_undecodable_line_and_goes_on(engine, capsys, monkeypatc
     from nanoqwen import cli as cli_module
 
     lines = iter(["caf\udce9", "hello", "/exit"])
-    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda prompt="": next(lines))
+    monkeypatch.setattr("nanoqwen.cli._read_turn", lambda limit: next(lines))
     status = cli_module.main(["chat", str(engine.model.path), "--backend", "numpy", "--max-new-tokens", "2"])
     assert status == 0 and capsys.readouterr().err.count("not valid Unicode text") == 1
 

@@ -36,7 +36,7 @@ def output_path(value: str) -> Path:
     an error when the arguments are read, not after minutes of measuring."""
     from nanoqwen.format import output_file_problem
 
-    problem = output_file_problem(value)
+    problem = output_file_problem(value, renamed_over=False)  # written in place: /dev/null will do
     if problem is not None:
         raise argparse.ArgumentTypeError(str(problem))
     return Path(value)

@@ -90,15 +90,16 @@ def parse_args(argv=None):
                    help="new tokens per greedy sample (default: 64 on GPU, 16 on CPU)")
     args = p.parse_args(argv)
     option = lambda name: f"--{name.replace('_', '-')} {getattr(args, name)}"
-    for name in ("train_seconds", "deadline_seconds", "reserve_seconds", "max_corpus_mb", "max_file_kb",
-                 "tokenizer_sample_mb", "lr", "grad_clip", "log_every_seconds"):
+    for name in ("train_seconds", "deadline_seconds", "max_corpus_mb", "max_file_kb", "tokenizer_sample_mb", "lr",
+                 "grad_clip"):
         if not 0 < getattr(args, name) < math.inf:
             p.error(f"{option(name)}: must be a positive number")
+    for name in ("reserve_seconds", "log_every_seconds", "weight_decay"):  # 0: no reserve, every step, none
+        if not 0 <= getattr(args, name) < math.inf:
+            p.error(f"{option(name)}: must be a number >= 0")
     for name in ("fim_rate", "min_lr_ratio", "warmup_frac"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"{option(name)}: must lie between 0 and 1")
-    if not 0 <= args.weight_decay < math.inf:
-        p.error(f"{option('weight_decay')}: must be a number >= 0")
     # A piece of FIM text needs a character; a training window a token to predict from another.
     for name, least in (("fim_segment_chars", 1), ("seq_len", 2), ("batch_size", 1), ("eval_windows", 1),
                         ("sample_tokens", 1)):
@@ -293,9 +294,15 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Everything is written beside --out first, and moves there only when the run has finished.
-    for name in ("SIGTERM", "SIGHUP"):  # end the run through the finally below, as Ctrl-C does
-        signal.signal(getattr(signal, name), lambda signum, frame: sys.exit(128 + signum))
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+
+    def stop(signum, frame):  # wherever the run is: an exception raised here could land in a __del__ and be lost
+        shutil.rmtree(staging, ignore_errors=True)
+        os._exit(128 + signum)
+
+    for name in ("SIGTERM", "SIGHUP"):  # not where they are ignored (nohup)
+        if signal.getsignal(getattr(signal, name)) == signal.SIG_DFL:
+            signal.signal(getattr(signal, name), stop)
     try:
         train(args, device, staging, argv)
         replace_folder(staging, out)
@@ -505,6 +512,8 @@ def train(args, device, folder: Path, argv):
     # ---- 5. evaluation, samples, checkpoint ------------------------------------------------
     model.eval()
     heldout_loss, heldout_count = run_eval(step, tokens_seen, 1.0)
+    if not recent:
+        sys.exit("train.py: no training step finished within --train-seconds: no checkpoint is written")
     if not (math.isfinite(final_train_loss) and math.isfinite(heldout_loss)):
         sys.exit(f"train.py: the run ended with train loss {final_train_loss} and held-out loss {heldout_loss} "
                  f"after {step} steps: no checkpoint is written (a lower --lr may keep it from diverging)")
