@@ -292,9 +292,8 @@ def main(args: argparse.Namespace) -> int:
         print("nanoqwen bench: needs --prompt-tokens >= 1, --new-tokens >= 2, --repeats >= 1 and --seed >= 0, "
               "with --seed + --repeats at most 2**64", file=sys.stderr)
         return 2
-    # Resolved: a link such as /dev/stdout is checked, and replaced, as what it names.
-    json_path = None if args.json is None else Path(args.json).resolve()
-    problem = None if args.json is None else output_file_problem(args.json) or output_file_problem(json_path)
+    json_path = None if args.json is None else Path(args.json)
+    problem = None if json_path is None else output_file_problem(args.json)
     if problem is not None:
         print(f"nanoqwen bench: --json: {problem}", file=sys.stderr)
         return 2  # before minutes of measuring, not after

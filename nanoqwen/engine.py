@@ -223,12 +223,11 @@ class Engine:
         if chat and isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) == 0:
             raise GenerationError("empty conversation: chat needs at least one message")
         if isinstance(prompt, str) or _is_messages(prompt):
-            if self.tokenizer is None and (chat or fim_suffix is not None or not isinstance(prompt, str)):
-                raise GenerationError(f"{self.model.path} carries no tokenizer, so it has no chat template or "
-                                      "fill-in-the-middle tokens: it takes only token ids")
             if self.tokenizer is None:
-                raise GenerationError(f"{self.model.path} carries no tokenizer: pass the prompt as token ids "
-                                      "(--token-ids on the command line)")
+                plain_text = isinstance(prompt, str) and not chat and fim_suffix is None
+                raise GenerationError(f"{self.model.path} carries no tokenizer: " + (
+                    "pass the prompt as token ids (--token-ids on the command line)" if plain_text else
+                    "it has no chat template or fill-in-the-middle tokens, and takes only token ids"))
             if fim_suffix is not None and (chat or not isinstance(prompt, str)):
                 raise GenerationError("fim_suffix (fill-in-the-middle) cannot be combined with a chat prompt")
             if isinstance(prompt, str):
@@ -269,18 +268,16 @@ class Engine:
             array = np.asarray(ids)
         except (ValueError, TypeError):  # ragged nesting, objects NumPy cannot hold
             array = None
-        if array is not None and array.ndim == 1 and array.dtype == object and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in array):
-            bad = [i for i in array if not 0 <= i < self.config.vocab_size]  # integers past int64
-            if bad:
-                raise GenerationError(f"{what} holds token id {shown(bad[0])} outside the vocabulary "
-                                      f"0..{self.config.vocab_size - 1}")
-            array = np.array(array.tolist(), dtype=np.int64)
-        if array is None or array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        # NumPy holds integers past int64 as objects; they compare as integers do.
+        integers = array is not None and array.ndim == 1 and (
+            array.size == 0 or np.issubdtype(array.dtype, np.integer)
+            or (array.dtype == object and all(isinstance(i, int) and not isinstance(i, bool) for i in array)))
+        if not integers:
             raise GenerationError(f"{what} must be {accepted}, got {ids!r:.80}")
         bad = array[(array < 0) | (array >= self.config.vocab_size)]
         if bad.size:
-            raise GenerationError(f"{what} holds token id {int(bad[0])} outside the vocabulary 0..{self.config.vocab_size - 1}")
+            raise GenerationError(f"{what} holds token id {shown(int(bad[0]))} outside the vocabulary "
+                                  f"0..{self.config.vocab_size - 1}")
         return [int(i) for i in array]
 
     def check_settings(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, top_k: int = 0,

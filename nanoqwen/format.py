@@ -197,13 +197,14 @@ def output_file_problem(path: str | os.PathLike, renamed_over: bool = True) -> O
 
 
 def special_file_problem(path: Path) -> FileExistsError | None:
-    """A written file replaces only a regular file (or a symbolic link, which the rename replaces,
-    not its target): renaming over a device or a FIFO would destroy it, /dev/null included."""
+    """A written file replaces only a regular file, or a symbolic link to one (the rename replaces
+    the link, not its target): renaming over a device or a FIFO would destroy it, /dev/null
+    included, and so would renaming over a link that names one, /dev/stdout included."""
     try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+        mode = os.stat(path).st_mode  # through a link, to what it names
+    except OSError:  # nothing there, or a link to nothing: the rename makes a new file
         return None
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     return FileExistsError(f"{path}: exists and is not a regular file (a device, FIFO or socket)")
 

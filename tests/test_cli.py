@@ -285,8 +285,10 @@ def test_bench_without_a_gpu_is_a_one_line_error(capsys, model_path):
     (["--json", "{tmp}/"], "names a folder"),
     (["--json", ""], "--json: the output path is empty"),
     (["--json", "/dev/null"], "/dev/null: exists and is not a regular file"),
+    (["--json", "{tmp}/null.json"], "null.json: exists and is not a regular file"),  # a link to /dev/null
 ])
 def test_bench_refuses_bad_arguments_before_measuring(capsys, model_path, tmp_path, arguments, message):
+    (tmp_path / "null.json").symlink_to("/dev/null")
     status, _, stderr = run(capsys, "bench", model_path, *[a.format(tmp=tmp_path) for a in arguments])
     assert status == 2 and message.format(tmp=tmp_path) in stderr and "Traceback" not in stderr
 

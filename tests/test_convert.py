@@ -530,6 +530,22 @@ def test_refuses_to_replace_a_fifo(checkpoints, tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
 
 
+def test_a_link_is_replaced_only_where_it_names_a_regular_file(checkpoints, tmp_path):
+    """The rename replaces a link, not what it names: a link to a file is fine, a link to a device is not."""
+    from nanoqwen.format import output_file_problem
+
+    (tmp_path / "file").write_text("kept")
+    (tmp_path / "to-file.nanoqwen").symlink_to(tmp_path / "file")
+    (tmp_path / "to-null.nanoqwen").symlink_to("/dev/null")
+    (tmp_path / "to-nothing.nanoqwen").symlink_to(tmp_path / "missing")
+    assert output_file_problem(tmp_path / "to-nothing.nanoqwen") is None
+    with pytest.raises(FileExistsError, match="to-null.nanoqwen: exists and is not a regular file"):
+        convert(str(checkpoints["untied"][0]), tmp_path / "to-null.nanoqwen", progress=False)
+    convert(str(checkpoints["untied"][0]), tmp_path / "to-file.nanoqwen", progress=False)
+    assert not (tmp_path / "to-file.nanoqwen").is_symlink() and (tmp_path / "file").read_text() == "kept"
+    assert output_file_problem(tmp_path / "to-null.nanoqwen", renamed_over=False) is None  # written in place
+
+
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
 def test_a_termination_signal_mid_conversion_leaves_nothing(checkpoints, tmp_path, signal_name):
     if not hasattr(signal, signal_name):

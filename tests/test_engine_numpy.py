@@ -272,8 +272,14 @@ def test_model_without_tokenizer_generates_from_ids(tmp_path):
     assert engine.tokenizer is None
     result = engine.generate([1, 2, 3], max_new_tokens=5)
     assert len(result.token_ids) == 5 and result.text is None
-    with pytest.raises(GenerationError, match="no tokenizer"):
+    with pytest.raises(GenerationError, match="no tokenizer: pass the prompt as token ids"):
         engine.generate("hello")
+    for kwargs in (dict(prompt="hello", chat=True), dict(prompt="a", fim_suffix="b"),
+                   dict(prompt=[{"role": "user", "content": "hi"}])):
+        with pytest.raises(GenerationError, match="no tokenizer: it has no chat template"):
+            engine.generate(**kwargs)
+    assert engine.generate(np.array([1, 2], dtype=object), max_new_tokens=2).token_ids == engine.generate(
+        [1, 2], max_new_tokens=2).token_ids
 
 
 # ---- errors: each is clear, and the engine keeps working afterwards ----
@@ -311,6 +317,7 @@ BAD_REQUESTS = [
     (dict(prompt=[[{"role": "user", "content": "hi"}]], chat=True), "chat needs a text prompt or a list of chat"),
     (dict(prompt=[1, 2], fim_suffix="y"), "fim_suffix needs a text prompt"),
     (dict(prompt=[1, 10**30]), "token id 1000000000000000000000000000000 outside the vocabulary"),
+    (dict(prompt=np.array([1, 512], dtype=object)), "token id 512 outside the vocabulary"),
     (dict(prompt=[1, 2], stop_token_ids=[-(10**30)]), "stop_token_ids holds token id -1000000000000000000000000000000"),
     (dict(prompt="x", chat=True, fim_suffix="y"), "cannot be combined"),
     (dict(prompt=[{"role": "user"}]), "'role' and 'content'"),
